@@ -1,0 +1,95 @@
+"""The pure core: states, transitions, deltas, policies and sizing.
+
+Imports only the standard library, attrs and pyrsistent (never torch).
+"""
+
+from kvfunc.core._delta import DELTA_VERSION, BlocksChanged
+from kvfunc.core._errors import (
+    BlockIndexError,
+    DoubleFreeError,
+    InsufficientMemoryError,
+    InvalidArgumentError,
+    InvalidCacheInfo,
+    InvalidTypeError,
+    KVFuncError,
+    MissingKeyError,
+    NotSupportedError,
+    OutOfBlocksError,
+    ReplayMismatchError,
+    UnknownAttentionTypeError,
+    UnknownRequestError,
+)
+from kvfunc.core._policy import (
+    FullAttention,
+    Mamba,
+    Policy,
+    SlidingWindow,
+    policy_class,
+    register_policy,
+    registered_attn_types,
+)
+from kvfunc.core._replay import replay
+from kvfunc.core._state import (
+    NULL_BLOCK,
+    BlockId,
+    FrozenDict,
+    GroupState,
+    KVState,
+    RequestId,
+    check_invariants,
+)
+from kvfunc.core._transitions import (
+    AllocationResult,
+    BatchResult,
+    SlotRequest,
+    allocate_batch,
+    allocate_slots,
+    format_usage,
+    free_request,
+    get_block_ids,
+    num_free_blocks,
+    recycle_skipped_blocks,
+)
+
+__all__ = [
+    "DELTA_VERSION",
+    "NULL_BLOCK",
+    "AllocationResult",
+    "BatchResult",
+    "BlockId",
+    "BlockIndexError",
+    "BlocksChanged",
+    "DoubleFreeError",
+    "FrozenDict",
+    "FullAttention",
+    "GroupState",
+    "InsufficientMemoryError",
+    "InvalidArgumentError",
+    "InvalidCacheInfo",
+    "InvalidTypeError",
+    "KVFuncError",
+    "KVState",
+    "Mamba",
+    "MissingKeyError",
+    "NotSupportedError",
+    "OutOfBlocksError",
+    "Policy",
+    "ReplayMismatchError",
+    "RequestId",
+    "SlidingWindow",
+    "SlotRequest",
+    "UnknownAttentionTypeError",
+    "UnknownRequestError",
+    "allocate_batch",
+    "allocate_slots",
+    "check_invariants",
+    "format_usage",
+    "free_request",
+    "get_block_ids",
+    "num_free_blocks",
+    "policy_class",
+    "recycle_skipped_blocks",
+    "register_policy",
+    "registered_attn_types",
+    "replay",
+]

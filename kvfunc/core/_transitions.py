@@ -1,0 +1,385 @@
+"""Transitions: ``(state, request) -> (new state, delta)``, never mutating the input.
+
+Theory of operation
+-------------------
+``allocate_slots`` is the seed's two-phase allocation made strictly atomic.
+Phase 1 visits every selected group and asks its policy, without changing
+anything, how many leading blocks slid out of the window (they will be
+recycled), how many null entries and new blocks the table needs, and how
+many blocks must stay free for other requests; the request is refused as a
+value as soon as one group cannot serve it, and the input state is returned
+unchanged.  Phase 2 applies the plans group by group: recycled blocks go
+back to the free queue first (highest logical index first, as in the seed),
+then the new blocks are taken from its head.  The recycled blocks count as
+free in phase 1, so every accepted call hands out exactly the seed's ids.
+
+``allocate_batch`` runs the same per-request step over one transient, so a
+whole scheduler step costs one copy of each group's table dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any, NamedTuple
+
+import attrs
+
+from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
+from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, UnknownRequestError
+from kvfunc.core._state import NULL_BLOCK, BlockId, KVState, RequestId
+from kvfunc.core._transient import GroupTransient, Transient
+
+__all__ = [
+    "AllocationResult",
+    "BatchResult",
+    "SlotRequest",
+    "allocate_batch",
+    "allocate_slots",
+    "format_usage",
+    "free_request",
+    "get_block_ids",
+    "num_free_blocks",
+    "recycle_skipped_blocks",
+]
+
+
+@attrs.frozen(slots=True)
+class AllocationResult:
+    """Outcome of :func:`allocate_slots`; when refused, ``state`` is the input."""
+
+    ok: bool
+    state: KVState
+    delta: BlocksChanged
+
+
+@attrs.frozen(slots=True)
+class BatchResult:
+    """Outcome of :func:`allocate_batch`: one state and one delta for the step."""
+
+    state: KVState
+    delta: BlocksChanged
+    refused: tuple[RequestId, ...]
+
+
+class SlotRequest(NamedTuple):
+    """One request's slot demand in a scheduler step (a plain tuple works too)."""
+
+    request_id: RequestId
+    computed_tokens: int
+    num_new_tokens: int
+    lookahead_tokens: int = 0
+    reserved_tokens: int = 0
+    manager_keys: Collection[str] | None = None
+
+
+# ----------------------------------------------------------------------------
+# argument checks (shared by the pure API and the compat facade)
+
+def check_request_id(request_id: object) -> None:
+    """Request ids are ``str`` or ``int`` (the seed uses ``-1`` for dummies)."""
+    if not isinstance(request_id, str | int):
+        msg = f"request_id must be a str or an int, but got {request_id!r}"
+        raise InvalidTypeError(msg)
+
+
+def check_manager_keys(manager_keys: object) -> None:
+    """``None`` or a collection of str; a bare string would match substrings."""
+    if manager_keys is None:
+        return
+    if isinstance(manager_keys, str | bytes) or not isinstance(manager_keys, Collection):
+        msg = f"manager_keys must be None or a collection of str, but got {manager_keys!r}"
+        raise InvalidTypeError(msg)
+
+
+def _check_counts(computed: object, new: object, lookahead: object, reserved: object) -> None:
+    for name, value in (("computed_tokens", computed), ("num_new_tokens", new),
+                        ("lookahead_tokens", lookahead), ("reserved_tokens", reserved)):
+        if type(value) is not int:
+            msg = f"{name} must be an int, but got {value!r}"
+            raise InvalidTypeError(msg)
+    if reserved < 0:  # type: ignore[operator]
+        msg = f"reserved_tokens must be non-negative, but got {reserved!r}"
+        raise InvalidArgumentError(msg)
+
+
+# ----------------------------------------------------------------------------
+# the per-request step (policy combinator); edits a transient in place
+
+def skip_range(g: GroupTransient, table: tuple[BlockId, ...], computed: int) -> tuple[int, int]:
+    """Positions ``lo .. k-1`` of ``table`` that slid out and are not null yet."""
+    w = g.window
+    skipped = (computed - w + 1) if w is not None else g.policy.num_skipped_tokens(computed)
+    if skipped <= 0:
+        return 0, 0
+    k = min(skipped // g.block_size, len(table))
+    lo = k
+    while lo > 0 and table[lo - 1] != NULL_BLOCK:
+        lo -= 1
+    return lo, k
+
+
+def recycle_range(g: GroupTransient, request_id: RequestId, table: tuple[BlockId, ...],
+                  lo: int, k: int, sink: DeltaBuilder | None) -> tuple[BlockId, ...]:
+    """Null positions ``lo .. k-1`` and free their blocks, highest index first."""
+    freed = [table[i] for i in range(k - 1, lo - 1, -1)]
+    g.give(freed)
+    if sink is not None:
+        key = g.key
+        sink.nulled.extend((key, request_id, i) for i in range(k - 1, lo - 1, -1))
+        sink.freed.extend((key, b) for b in freed)
+    return table[:lo] + (NULL_BLOCK,) * (k - lo) + table[k:]
+
+
+def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
+                  lookahead: int, reserved: int, manager_keys: Collection[str] | None,
+                  sink: DeltaBuilder | None) -> bool:
+    """Allocate for one request on ``tr``; on refusal ``tr`` is left untouched."""
+    try:
+        total = computed + new + lookahead
+    except TypeError:
+        total = None
+    if type(total) is not int or (reserved and (type(reserved) is not int or reserved < 0)):
+        _check_counts(computed, new, lookahead, reserved)
+        raise InvalidTypeError(f"token counts must be ints, got {(computed, new, lookahead)!r}")
+    if new < 0:
+        raise InvalidArgumentError("num_new_tokens must be non-negative")
+    limit = tr.max_model_len
+    if computed > limit:
+        computed = limit
+    if total > limit:
+        total = limit
+    groups = tr.groups if manager_keys is None else [
+        g for g in tr.groups if g.key in manager_keys]
+    if total < 0 and groups:
+        raise InvalidArgumentError("num_tokens must be non-negative")
+    plans: list[tuple[GroupTransient, tuple[BlockId, ...] | None, int, int, int, int]] = []
+    for g in groups:  # phase 1: decide, change nothing
+        table = g.tables.get(request_id)
+        held = len(table) if table is not None else 0
+        lo = k = 0
+        if held and (g.window is not None or g.may_skip):
+            lo, k = skip_range(g, table, computed)  # type: ignore[arg-type]
+        if held and g.grows:
+            nulls = 0
+            need = (total + g.block_size - 1) // g.block_size - held
+            if need < 0:
+                need = 0
+        else:
+            nulls, need = g.policy.plan_blocks(held, total)
+        available = g.count + (k - lo)
+        if reserved:
+            available -= g.policy.num_reserved_blocks(reserved, len(g.tables))
+        if need > available:
+            return False
+        if need or nulls or k > lo or table is None:
+            plans.append((g, table, lo, k, nulls, need))
+    for g, table, lo, k, nulls, need in plans:  # phase 2: apply
+        if table is None:
+            table = ()
+            if sink is not None:
+                sink.registered.append((g.key, request_id))
+        if k > lo:
+            table = recycle_range(g, request_id, table, lo, k, sink)
+        ids = g.take(need) if need else []
+        added = (NULL_BLOCK,) * nulls + tuple(ids)
+        g.set_table(request_id, table + added)
+        if sink is not None and added:
+            key = g.key
+            sink.appended.extend((key, request_id, b) for b in added)
+    return True
+
+
+def free_into(tr: Transient, request_id: RequestId, manager_keys: Collection[str] | None,
+              sink: DeltaBuilder | None) -> None:
+    """Release ``request_id`` in the selected groups; unknown ids are a no-op."""
+    for g in tr.groups:
+        if manager_keys is not None and g.key not in manager_keys:
+            continue
+        if request_id not in g.tables:
+            continue
+        table = g.drop_table(request_id)
+        ids = [b for b in table if b != NULL_BLOCK]
+        g.give(ids)
+        if sink is not None:
+            sink.released.append((g.key, request_id))
+            sink.freed.extend((g.key, b) for b in ids)
+
+
+# ----------------------------------------------------------------------------
+# the pure API
+
+def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
+                   num_new_tokens: int, lookahead_tokens: int = 0, *, reserved_tokens: int = 0,
+                   manager_keys: Collection[str] | None = None) -> AllocationResult:
+    """Make room for ``computed + new + lookahead`` tokens of a request, atomically.
+
+    Token counts are clamped to ``max_model_len``; ``reserved_tokens`` keeps
+    ``ceil(reserved / block_size)`` blocks per registered request free in
+    full-attention groups; ``manager_keys`` restricts the groups (unknown
+    keys are ignored, as in the seed).  A refusal is a value: ``ok`` is
+    False and ``state`` is the input object itself.
+
+    >>> from kvfunc.core import FullAttention, KVState
+    >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
+    >>> r = allocate_slots(s, "a", 0, 40)
+    >>> r.ok, get_block_ids(r.state, "a")
+    (True, {'full': (1, 2, 3)})
+    >>> refused = allocate_slots(r.state, "b", 0, 1)
+    >>> refused.ok, refused.state is r.state
+    (False, True)
+    """
+    check_request_id(request_id)
+    check_manager_keys(manager_keys)
+    _check_counts(computed_tokens, num_new_tokens, lookahead_tokens, reserved_tokens)
+    tr = Transient(state)
+    sink = DeltaBuilder()
+    if not allocate_into(tr, request_id, computed_tokens, num_new_tokens, lookahead_tokens,
+                         reserved_tokens, manager_keys, sink):
+        return AllocationResult(False, state, EMPTY_DELTA)
+    return AllocationResult(True, tr.freeze(), sink.build())
+
+
+def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, ...]]
+                   ) -> BatchResult:
+    """One transition for a scheduler step: :func:`allocate_slots` for each request in order.
+
+    Refused requests change nothing and are listed in ``refused``; the
+    result equals calling :func:`allocate_slots` one request at a time.
+    An invalid request raises and the input state stays as it was.
+
+    >>> from kvfunc.core import FullAttention, KVState
+    >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
+    >>> r = allocate_batch(s, [SlotRequest("a", 0, 20), SlotRequest("b", 0, 40)])
+    >>> get_block_ids(r.state, "a"), r.refused
+    ({'full': (1, 2)}, ('b',))
+    """
+    tr = Transient(state)
+    sink = DeltaBuilder()
+    refused: list[RequestId] = []
+    for req in requests:
+        try:
+            rid, computed, new, lookahead, reserved, keys = _unpack(req)
+            if not allocate_into(tr, rid, computed, new, lookahead, reserved, keys, sink):
+                refused.append(rid)
+        except TypeError:
+            _recheck(req)
+            raise
+    return BatchResult(tr.freeze(), sink.build(), tuple(refused))
+
+
+def _unpack(req: Any) -> tuple[Any, int, int, int, int, Any]:
+    n = len(req)
+    if n == 6:
+        return req  # type: ignore[no-any-return]
+    if n == 3:
+        return req[0], req[1], req[2], 0, 0, None
+    if n == 4:
+        return req[0], req[1], req[2], req[3], 0, None
+    return SlotRequest(*req)
+
+
+def _recheck(req: Any) -> None:
+    """Turn a bare TypeError from a malformed request into a typed, named one."""
+    try:
+        rid, computed, new, lookahead, reserved, keys = _unpack(req)
+    except TypeError:
+        msg = f"a batch entry must be a SlotRequest or a tuple of 3-6 fields, got {req!r}"
+        raise InvalidTypeError(msg) from None
+    check_request_id(rid)
+    check_manager_keys(keys)
+    _check_counts(computed, new, lookahead, reserved)
+
+
+def free_request(state: KVState, request_id: RequestId, *,
+                 manager_keys: Collection[str] | None = None) -> tuple[KVState, BlocksChanged]:
+    """Return every block of a request to the tail of its pool, in logical order.
+
+    Freeing an unknown or already freed request changes nothing.
+
+    >>> from kvfunc.core import FullAttention, KVState
+    >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
+    >>> s2, d = free_request(allocate_slots(s, "a", 0, 20).state, "a")
+    >>> d.freed_block_ids, num_free_blocks(s2, "full")
+    ((1, 2), 3)
+    """
+    check_request_id(request_id)
+    check_manager_keys(manager_keys)
+    tr = Transient(state)
+    sink = DeltaBuilder()
+    free_into(tr, request_id, manager_keys, sink)
+    return tr.freeze(), sink.build()
+
+
+def recycle_skipped_blocks(state: KVState, request_id: RequestId, computed_tokens: int, *,
+                           manager_keys: Collection[str] | None = None
+                           ) -> tuple[KVState, BlocksChanged]:
+    """Null and free the blocks that slid out of a request's window.
+
+    This is the seed's ``remove_skipped_blocks`` as its own transition
+    (``allocate_slots`` does it too, but only when it succeeds).
+    ``computed_tokens`` is clamped to ``max_model_len``.
+
+    >>> from kvfunc.core import KVState, SlidingWindow
+    >>> s = KVState.create({"swa": SlidingWindow(num_blocks=9, block_size=4,
+    ...                                          sliding_window=8)}, 1024)
+    >>> s = allocate_slots(s, "a", 0, 12).state
+    >>> get_block_ids(s, "a")
+    {'swa': (1, 2, 3)}
+    >>> get_block_ids(recycle_skipped_blocks(s, "a", 12)[0], "a")
+    {'swa': (0, 2, 3)}
+    """
+    check_request_id(request_id)
+    check_manager_keys(manager_keys)
+    if type(computed_tokens) is not int:
+        msg = f"computed_tokens must be an int, but got {computed_tokens!r}"
+        raise InvalidTypeError(msg)
+    computed = min(computed_tokens, state.max_model_len)
+    tr = Transient(state)
+    sink = DeltaBuilder()
+    for g in tr.groups:
+        if manager_keys is not None and g.key not in manager_keys:
+            continue
+        table = g.tables.get(request_id)
+        if table:
+            lo, k = skip_range(g, table, computed)
+            if k > lo:
+                g.set_table(request_id, recycle_range(g, request_id, table, lo, k, sink))
+    return tr.freeze(), sink.build()
+
+
+def get_block_ids(state: KVState, request_id: RequestId) -> dict[str, tuple[BlockId, ...]]:
+    """``{manager_key: block ids}`` of a request in manager order (``()`` when unknown).
+
+    >>> from kvfunc.core import FullAttention, KVState
+    >>> get_block_ids(KVState.create({"f": FullAttention(num_blocks=2, block_size=4)}, 8), 7)
+    {'f': ()}
+    """
+    return {g.key: g.tables.get(request_id, ()) for g in state.groups}
+
+
+def num_free_blocks(state: KVState, manager_key: str) -> int:
+    """Free blocks of a group (the null block never counts).
+
+    >>> from kvfunc.core import FullAttention, KVState
+    >>> num_free_blocks(KVState.create({"f": FullAttention(num_blocks=5, block_size=4)}, 8), "f")
+    4
+    """
+    for g in state.groups:
+        if g.key == manager_key:
+            return g.num_free
+    msg = f"unknown manager_key {manager_key!r}; known keys: {list(state.manager_keys)}"
+    raise UnknownRequestError(msg)
+
+
+def format_usage(state: KVState) -> str:
+    """``"key:used/num_blocks,..."`` in manager order; the null block counts as used.
+
+    >>> from kvfunc.core import FullAttention, KVState
+    >>> format_usage(KVState.create({"FullAttention": FullAttention(num_blocks=12,
+    ...                                                            block_size=4)}, 8))
+    'FullAttention:1/12'
+    """
+    if not state.groups:
+        return "0/0"
+    return ",".join(f"{g.key}:{g.policy.num_blocks - g.num_free}/{g.policy.num_blocks}"
+                    for g in state.groups)
