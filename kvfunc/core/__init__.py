@@ -3,7 +3,17 @@
 Imports only the standard library, attrs and pyrsistent (never torch).
 """
 
+from kvfunc.core._cache_info import (
+    CacheAllocator,
+    CacheEntry,
+    LayerCacheInfo,
+    MambaCacheEntry,
+    MemoryBudgetItem,
+    ModelCacheInfo,
+    OffloadWorkspaceMemoryInfo,
+)
 from kvfunc.core._delta import DELTA_VERSION, BlocksChanged
+from kvfunc.core._dtypes import dtype_itemsize
 from kvfunc.core._errors import (
     BlockIndexError,
     DoubleFreeError,
@@ -13,6 +23,7 @@ from kvfunc.core._errors import (
     InvalidTypeError,
     KVFuncError,
     MissingKeyError,
+    MissingTensorError,
     NotSupportedError,
     OutOfBlocksError,
     ReplayMismatchError,
@@ -29,6 +40,11 @@ from kvfunc.core._policy import (
     registered_attn_types,
 )
 from kvfunc.core._replay import replay
+from kvfunc.core._sizing import (
+    SizingConfig,
+    calculate_block_num,
+    calculate_fixed_block_memory_bytes,
+)
 from kvfunc.core._state import (
     NULL_BLOCK,
     BlockId,
@@ -50,15 +66,24 @@ from kvfunc.core._transitions import (
     num_free_blocks,
     recycle_skipped_blocks,
 )
+from kvfunc.core._validate import (
+    FIXED_BLOCK_ATTN_TYPES,
+    SUPPORTED_CACHE_LAYOUTS,
+    validate_cache_info,
+)
 
 __all__ = [
     "DELTA_VERSION",
+    "FIXED_BLOCK_ATTN_TYPES",
     "NULL_BLOCK",
+    "SUPPORTED_CACHE_LAYOUTS",
     "AllocationResult",
     "BatchResult",
     "BlockId",
     "BlockIndexError",
     "BlocksChanged",
+    "CacheAllocator",
+    "CacheEntry",
     "DoubleFreeError",
     "FrozenDict",
     "FullAttention",
@@ -69,20 +94,30 @@ __all__ = [
     "InvalidTypeError",
     "KVFuncError",
     "KVState",
+    "LayerCacheInfo",
     "Mamba",
+    "MambaCacheEntry",
+    "MemoryBudgetItem",
     "MissingKeyError",
+    "MissingTensorError",
+    "ModelCacheInfo",
     "NotSupportedError",
+    "OffloadWorkspaceMemoryInfo",
     "OutOfBlocksError",
     "Policy",
     "ReplayMismatchError",
     "RequestId",
+    "SizingConfig",
     "SlidingWindow",
     "SlotRequest",
     "UnknownAttentionTypeError",
     "UnknownRequestError",
     "allocate_batch",
     "allocate_slots",
+    "calculate_block_num",
+    "calculate_fixed_block_memory_bytes",
     "check_invariants",
+    "dtype_itemsize",
     "format_usage",
     "free_request",
     "get_block_ids",
@@ -92,4 +127,5 @@ __all__ = [
     "register_policy",
     "registered_attn_types",
     "replay",
+    "validate_cache_info",
 ]

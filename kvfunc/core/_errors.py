@@ -16,6 +16,7 @@ __all__ = [
     "InvalidTypeError",
     "KVFuncError",
     "MissingKeyError",
+    "MissingTensorError",
     "NotSupportedError",
     "OutOfBlocksError",
     "ReplayMismatchError",
@@ -76,6 +77,10 @@ class InsufficientMemoryError(KVFuncError, MemoryError):
 
 class NotSupportedError(KVFuncError, NotImplementedError):
     """The operation is not supported for this configuration."""
+
+
+class MissingTensorError(KVFuncError, RuntimeError):
+    """A cache entry has no tensor yet (seed: ``RuntimeError``)."""
 
 
 class ReplayMismatchError(KVFuncError, ValueError):

@@ -48,8 +48,12 @@ class Policy(Protocol):
     attn_type: ClassVar[str]
     grows_with_tokens: ClassVar[bool]
     may_skip: ClassVar[bool]
-    num_blocks: int
-    block_size: int
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
 
     @property
     def window(self) -> int | None: ...

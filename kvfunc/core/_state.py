@@ -23,7 +23,7 @@ free and never held.  :func:`check_invariants` checks it and more.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn, TypeVar
 
 import attrs
@@ -72,7 +72,7 @@ class FrozenDict(dict[_K, _V]):
 
     __setitem__ = _immutable
     __delitem__ = _immutable
-    __ior__ = _immutable  # type: ignore[assignment]
+    __ior__ = _immutable
     clear = _immutable
     pop = _immutable
     popitem = _immutable
@@ -219,9 +219,15 @@ class KVState:
                 f"groups={self.manager_keys!r}, usage={usage!r})")
 
 
-def _policies_from_cache_info(
-    info: Any, block_num_by_type: Mapping[str, int]
-) -> Iterator[tuple[str, Policy]]:
+def group_cache_entries(
+    info: Any, block_num_by_type: Mapping[str, int], resolve: Callable[[str], Any]
+) -> Iterator[tuple[str, Any, int, list[Any]]]:
+    """Group paged cache entries by ``group_key`` as the seed does (spec §3.5).
+
+    Yields ``(key, resolve(attn_type), block_size, entries)`` per group in order
+    of first appearance, after the seed's checks in the seed's order (unknown
+    key, one attention type, known type via ``resolve``, one block size).
+    """
     groups: dict[str, list[Any]] = {}
     for layer in info.layer_infos:
         for cache in layer.caches:
@@ -237,30 +243,33 @@ def _policies_from_cache_info(
                 raise InvalidArgumentError(msg)
             groups.setdefault(key, []).append(cache)
     for key, entries in groups.items():
-        yield key, _group_policy(key, entries, block_num_by_type[key])
+        attn_types = {e.attn_type for e in entries}
+        if len(attn_types) != 1:
+            msg = (f"Caches grouped into group_key={key} must share one attn_type, "
+                   f"but got {sorted(attn_types)}.")
+            raise InvalidArgumentError(msg)
+        (attn_type,) = attn_types
+        cls = resolve(attn_type)
+        block_sizes = {e.block_size for e in entries}
+        if len(block_sizes) != 1:
+            msg = (
+                f"Caches grouped into one SingleTypeKVCacheManager must share the same "
+                f"block_size. group_key={key}, attn_type={attn_type}, "
+                f"block_sizes={sorted(block_sizes)}."
+            )
+            raise InvalidArgumentError(msg)
+        (block_size,) = block_sizes
+        yield key, cls, block_size, entries
 
 
-def _group_policy(key: str, entries: Iterable[Any], num_blocks: int) -> Policy:
-    entries = list(entries)
-    attn_types = {e.attn_type for e in entries}
-    if len(attn_types) != 1:
-        msg = (f"Caches grouped into group_key={key} must share one attn_type, "
-               f"but got {sorted(attn_types)}.")
-        raise InvalidArgumentError(msg)
-    (attn_type,) = attn_types
-    cls = policy_class(attn_type)
-    block_sizes = {e.block_size for e in entries}
-    if len(block_sizes) != 1:
-        msg = (
-            f"Caches grouped into one SingleTypeKVCacheManager must share the same "
-            f"block_size. group_key={key}, attn_type={attn_type}, "
-            f"block_sizes={sorted(block_sizes)}."
-        )
-        raise InvalidArgumentError(msg)
-    (block_size,) = block_sizes
-    policy: Policy = cls(num_blocks=num_blocks, block_size=block_size,
-                         **cls.kwargs_from_entries(entries))
-    return policy
+def _policies_from_cache_info(
+    info: Any, block_num_by_type: Mapping[str, int]
+) -> Iterator[tuple[str, Policy]]:
+    for key, cls, block_size, entries in group_cache_entries(info, block_num_by_type,
+                                                              policy_class):
+        policy: Policy = cls(num_blocks=block_num_by_type[key], block_size=block_size,
+                             **cls.kwargs_from_entries(entries))
+        yield key, policy
 
 
 def check_invariants(state: KVState) -> None:

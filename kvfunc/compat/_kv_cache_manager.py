@@ -1,0 +1,179 @@
+"""The seed's ``KVCacheManager``: a thin stateful facade over the pure core.
+
+It keeps one transient over the current :class:`~kvfunc.KVState` and runs
+the core's per-request step on it, so a call costs what mutable code costs;
+:attr:`KVCacheManager.state` materialises the current immutable state, and
+:meth:`snapshot` / :meth:`restore` are O(number of groups).  The one
+deliberate difference from the seed: a refused ``allocate_slots`` changes
+nothing at all (the seed recycled sliding-window blocks before refusing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from kvfunc.compat._managers import SingleTypeKVCacheManager
+from kvfunc.compat._store import Store
+from kvfunc.core import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    KVState,
+    NotSupportedError,
+)
+from kvfunc.core._errors import MissingTensorError
+from kvfunc.core._transitions import (
+    allocate_into,
+    check_manager_keys,
+    check_request_id,
+    free_into,
+)
+
+__all__ = ["KVCacheManager"]
+
+
+class KVCacheManager:
+    """All single-type managers of a model behind the seed's API.
+
+    >>> from kvfunc.compat import FullAttentionManager, SlidingWindowManager
+    >>> mgr = KVCacheManager(1024, [
+    ...     FullAttentionManager("FullAttention", 12, 16),
+    ...     SlidingWindowManager("SlidingWindow", 10, 16, sliding_window=32)], None)
+    >>> mgr.allocate_slots("r1", 0, 70)
+    True
+    >>> mgr.get_block_ids("r1")
+    {'FullAttention': [1, 2, 3, 4, 5], 'SlidingWindow': [0, 0, 1, 2, 3]}
+    >>> mgr.format_usage()
+    'FullAttention:6/12,SlidingWindow:4/10'
+    """
+
+    def __init__(self, max_model_len: int, single_type_managers: Iterable[SingleTypeKVCacheManager],
+                 cache_info: Any) -> None:
+        if type(max_model_len) is not int or max_model_len < 0:
+            msg = f"max_model_len must be a non-negative int, but got {max_model_len!r}"
+            raise InvalidArgumentError(msg)
+        managers = tuple(single_type_managers)
+        for m in managers:
+            if not isinstance(m, SingleTypeKVCacheManager):
+                msg = f"expected SingleTypeKVCacheManager instances, got {type(m).__name__}"
+                raise InvalidTypeError(msg)
+        keys = [m.manager_key for m in managers]
+        if len(set(keys)) != len(keys):
+            msg = f"manager keys must be unique, got {keys}"
+            raise InvalidArgumentError(msg)
+        self.max_model_len = max_model_len
+        self.single_type_managers = managers
+        self.num_attn_types = len({m.attn_type for m in managers})
+        self.num_managers = len(managers)
+        self.cache_info = cache_info
+        self.is_mla_backend = bool(getattr(cache_info, "is_mla_backend", False))
+        self._store = Store(KVState(max_model_len, tuple(m._group_state() for m in managers)))
+        for i, m in enumerate(managers):
+            m._bind(self._store, i)
+        self._abstract = tuple(m.manager_key for m in managers if type(m)._abstract)
+
+    # -- state ----------------------------------------------------------------
+    @property
+    def state(self) -> KVState:
+        """The current state as an immutable :class:`~kvfunc.KVState`."""
+        return self._store.state
+
+    def snapshot(self) -> KVState:
+        """The current state; keep it to :meth:`restore` later (O(1) per group)."""
+        return self._store.state
+
+    def restore(self, state: KVState) -> None:
+        """Make an earlier (or replayed) state current; its groups must match."""
+        self._store.restore(state)
+
+    # -- allocation -----------------------------------------------------------
+    def allocate_slots(self, request_id: Any, computed_tokens: int, num_new_tokens: int,
+                       lookahead_tokens: int = 0, reserved_tokens: int = 0,
+                       manager_keys: Collection[str] | None = None) -> bool:
+        """The seed's two-phase allocation; a refusal (``False``) changes nothing."""
+        if type(request_id) is not int and type(request_id) is not str:
+            check_request_id(request_id)
+        if manager_keys is not None:
+            check_manager_keys(manager_keys)
+        if self._abstract:
+            selected = [k for k in self._abstract if manager_keys is None or k in manager_keys]
+            if selected:
+                raise NotSupportedError("Subclasses must implement get_num_skipped_tokens")
+        return allocate_into(self._store.tr, request_id, computed_tokens, num_new_tokens,
+                             lookahead_tokens, reserved_tokens, manager_keys, None)
+
+    def free(self, request_id: Any) -> None:
+        """Release a request in every manager; unknown or freed ids are a no-op."""
+        check_request_id(request_id)
+        free_into(self._store.tr, request_id, None, None)
+
+    # -- queries --------------------------------------------------------------
+    def get_block_ids(self, request_id: Any) -> dict[str, list[int]]:
+        """``{manager_key: block ids}`` in manager order (snapshot lists)."""
+        return {g.key: list(g.tables.get(request_id, ())) for g in self._store.tr.groups}
+
+    def get_request_owner_manager_keys(self, is_owner: bool) -> set[str]:
+        """Every key for the owner, else only the Mamba keys."""
+        return {m.manager_key for m in self.single_type_managers
+                if is_owner or m.attn_type == "Mamba"}
+
+    def get_block_sizes(self) -> dict[str, int]:
+        """``{manager_key: block_size}``."""
+        return {m.manager_key: m.block_size for m in self.single_type_managers}
+
+    def get_block_table_max_lens(self, max_model_len: int) -> dict[str, int]:
+        """``{manager_key: ceil(max_model_len / block_size)}`` (compression ignored)."""
+        if type(max_model_len) is not int:
+            msg = f"max_model_len must be an int, but got {max_model_len!r}"
+            raise InvalidTypeError(msg)
+        return {m.manager_key: -(-max_model_len // m.block_size)
+                for m in self.single_type_managers}
+
+    def format_usage(self) -> str:
+        """``"key:used/num_blocks,..."``; the null block counts as used."""
+        groups = self._store.tr.groups
+        if not groups:
+            return "0/0"
+        return ",".join(f"{g.key}:{g.policy.num_blocks - g.count}/{g.policy.num_blocks}"
+                        for g in groups)
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int], list[str],
+                                                list[int]]:
+        """``(data_ptrs, data_lens, item_lens, attn_types, block_sizes)`` of every paged tensor.
+
+        Ordered by layer index (stable), then cache definition order: both
+        sides of a prefill/decode pair compute it independently and pair the
+        entries by position.
+        """
+        ptrs: list[int] = []
+        lens: list[int] = []
+        item_lens: list[int] = []
+        keys: list[str] = []
+        block_sizes: list[int] = []
+        info = self.cache_info
+        layers = sorted(info.layer_infos, key=lambda layer: layer.layer_idx) if info else []
+        for layer in layers:
+            for cache in layer.caches:
+                if not cache.needs_block:
+                    continue
+                if cache.attn_type == "Mamba":
+                    msg = ("PD disaggregation does not support Mamba state cache yet: cache "
+                           f"{cache.cache_name} in layer {layer.layer_idx}.")
+                    raise NotSupportedError(msg)
+                tensor = cache.tensor
+                if tensor is None:
+                    msg = (f"CacheEntry {cache.cache_name} in layer {layer.layer_idx} has no "
+                           "tensor \u2014 allocate_cache_tensors must run first.")
+                    raise MissingTensorError(msg)
+                bs = cache.storage_block_size
+                size = tensor.element_size()
+                ptrs.append(tensor.data_ptr())
+                lens.append(tensor.numel() * size)
+                item_lens.append(bs * cache.num_head * cache.cache_dim_numel() * size)
+                keys.append(cache.group_key)
+                block_sizes.append(bs)
+        return ptrs, lens, item_lens, keys, block_sizes
+
+    def __repr__(self) -> str:
+        return f"KVCacheManager(max_model_len={self.max_model_len}, usage={self.format_usage()!r})"
+
