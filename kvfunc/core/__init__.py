@@ -3,6 +3,7 @@
 Imports only the standard library, attrs and pyrsistent (never torch).
 """
 
+from kvfunc.core._batch import BatchResult, SlotRequest, allocate_batch
 from kvfunc.core._cache_info import (
     CacheAllocator,
     CacheEntry,
@@ -56,9 +57,6 @@ from kvfunc.core._state import (
 )
 from kvfunc.core._transitions import (
     AllocationResult,
-    BatchResult,
-    SlotRequest,
-    allocate_batch,
     allocate_slots,
     format_usage,
     free_request,

@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from kvfunc.core._cache_info import CacheAllocator, CacheEntry, MambaCacheEntry, ModelCacheInfo
+from kvfunc.core._cache_info import CacheAllocator, CacheEntry, ModelCacheInfo
 from kvfunc.core._dtypes import dtype_itemsize
 from kvfunc.core._errors import (
     InsufficientMemoryError,
@@ -30,7 +30,7 @@ from kvfunc.core._errors import (
     InvalidCacheInfo,
     InvalidTypeError,
 )
-from kvfunc.core._validate import FIXED_BLOCK_ATTN_TYPES
+from kvfunc.core._validate import FIXED_BLOCK_ATTN_TYPES, mamba_entry, positive_field
 
 __all__ = [
     "SizingConfig",
@@ -42,13 +42,14 @@ __all__ = [
 _GIB = 1024**3
 
 
-def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
+def _check_int(owner: str, name: str, value: object, minimum: int) -> int:
     if type(value) is not int:
         msg = f"{owner} {name} must be an int, but got {value!r}"
         raise InvalidTypeError(msg)
     if value < minimum:
         msg = f"{owner} {name} must be >= {minimum}, but got {value}"
         raise InvalidArgumentError(msg)
+    return value
 
 
 @attrs.frozen
@@ -117,22 +118,9 @@ next_n=0, offline_prefill_dp_group_size=1)
                    **values)
 
 
-def _block_size(cache: CacheEntry, layer_idx: int) -> int:
-    block_size = cache.block_size
-    if type(block_size) is not int or block_size <= 0:
-        msg = (f"cache {cache.cache_name} in layer {layer_idx} must have positive block_size, "
-               f"but got {block_size}")
-        raise InvalidCacheInfo(msg)
-    return block_size
-
-
 def _raw_token_bytes(cache: CacheEntry, layer_idx: int) -> int:
     """Bytes of one token row of ``cache`` over all its heads, before compression."""
-    num_head = cache.num_head
-    if type(num_head) is not int or num_head <= 0:
-        msg = (f"cache {cache.cache_name} in layer {layer_idx} must have positive num_head, "
-               f"but got {num_head}")
-        raise InvalidCacheInfo(msg)
+    num_head = positive_field(cache, layer_idx, "num_head")
     return cache.cache_dim_numel() * num_head * dtype_itemsize(cache.dtype)
 
 
@@ -141,25 +129,17 @@ def _is_hbm(cache: CacheEntry) -> bool:
     return CacheAllocator(cache.allocator) is CacheAllocator.HBM
 
 
-def _mamba_entry(cache: CacheEntry, layer_idx: int) -> MambaCacheEntry:
-    if not isinstance(cache, MambaCacheEntry):
-        msg = (f"cache {cache.cache_name} in layer {layer_idx} declares attn_type='Mamba' "
-               f"and must be a MambaCacheEntry, but got {type(cache).__name__}")
-        raise InvalidCacheInfo(msg)
-    return cache
-
-
 def _fixed_blocks_and_bytes(
     config: SizingConfig, cache: CacheEntry, layer_idx: int
 ) -> tuple[int, int]:
     """Block count of ``cache``'s fixed-block group, and the bytes ``cache`` takes."""
     batch = config.batch_size_per_dp_rank
     if cache.attn_type == "Mamba":
-        mamba = _mamba_entry(cache, layer_idx)
+        mamba = mamba_entry(cache, layer_idx)
         # One state block per request plus its next_n speculative states.
         block_num = batch * (1 + mamba.next_n) + 1
         return block_num, block_num * mamba.cache_dim_numel() * dtype_itemsize(mamba.dtype)
-    block_size, window = _block_size(cache, layer_idx), cache.sliding_window
+    block_size, window = positive_field(cache, layer_idx, "block_size"), cache.sliding_window
     if type(window) is not int or window < 0:
         msg = (f"SlidingWindow cache {cache.cache_name} in layer {layer_idx} must define a "
                f"non-negative int sliding_window, but got {window}.")
@@ -236,18 +216,14 @@ def _collect_paged_groups(config: SizingConfig, cache_info: ModelCacheInfo) -> _
         if cache.attn_type in FIXED_BLOCK_ATTN_TYPES:
             has_fixed = True
             continue
-        key, block_size = cache.group_key, _block_size(cache, layer_idx)
+        key, block_size = cache.group_key, positive_field(cache, layer_idx, "block_size")
         previous = block_sizes.get(key)
         if previous is not None and previous != block_size:
             msg = ("Caches sharing one paged attention manager must share block_size. "
                    f"manager_key={key}, attn_type={cache.attn_type}, "
                    f"block_sizes={sorted({previous, block_size})}")
             raise InvalidCacheInfo(msg)
-        ratio = cache.compress_ratio
-        if type(ratio) is not int or ratio <= 0:
-            msg = (f"cache {cache.cache_name} in layer {layer_idx} must have positive "
-                   f"compress_ratio, but got {ratio}")
-            raise InvalidCacheInfo(msg)
+        ratio = positive_field(cache, layer_idx, "compress_ratio")
         token_bytes = _raw_token_bytes(cache, layer_idx) // ratio
         partitions[key] = dp_group if dp_group > 1 and cache.attn_type == "FullAttention" else 1
         block_sizes[key] = block_size
@@ -258,14 +234,8 @@ def _collect_paged_groups(config: SizingConfig, cache_info: ModelCacheInfo) -> _
 
 
 def _check_memory(free: object, total: object) -> tuple[int, int]:
-    for name, value in (("free_memory_bytes", free), ("total_memory_bytes", total)):
-        if type(value) is not int:
-            msg = f"{name} must be an int, but got {value!r}"
-            raise InvalidTypeError(msg)
-        if value < 0:
-            msg = f"{name} must be non-negative, but got {value}"
-            raise InvalidArgumentError(msg)
-    assert isinstance(free, int) and isinstance(total, int)  # narrowed above, for mypy
+    free = _check_int("calculate_block_num", "free_memory_bytes", free, 0)
+    total = _check_int("calculate_block_num", "total_memory_bytes", total, 0)
     if free > total:
         msg = f"free_memory_bytes={free} exceeds total_memory_bytes={total}"
         raise InvalidArgumentError(msg)
@@ -278,13 +248,6 @@ def _read_memory(read_memory: Callable[[], tuple[int, int]]) -> tuple[int, int]:
         msg = f"read_memory must return (free, total), but returned {figures!r}"
         raise InvalidTypeError(msg)
     return _check_memory(*figures)
-
-
-def _check_options(offline_max_len: object, extra_reserved_memory_bytes: object) -> None:
-    if offline_max_len is not None:
-        _check_int("calculate_block_num", "offline_max_len", offline_max_len, 0)
-    _check_int("calculate_block_num", "extra_reserved_memory_bytes",
-               extra_reserved_memory_bytes, 0)
 
 
 def _offline_block_num(config: SizingConfig, groups: _PagedGroups, offline_max_len: int,
@@ -371,7 +334,10 @@ def calculate_block_num_lazy(
     >>> calculate_block_num_lazy(SizingConfig(2, 0.9, 128), info, read_memory=no_query)
     {'SlidingWindow': 11}
     """
-    _check_options(offline_max_len, extra_reserved_memory_bytes)
+    if offline_max_len is not None:
+        _check_int("calculate_block_num", "offline_max_len", offline_max_len, 0)
+    extra = _check_int("calculate_block_num", "extra_reserved_memory_bytes",
+                       extra_reserved_memory_bytes, 0)
     groups = _collect_paged_groups(config, cache_info)
     block_num: dict[str, int] = {}
     fixed_bytes = 0
@@ -380,7 +346,6 @@ def calculate_block_num_lazy(
         block_num.update(fixed_block_num)
     if not groups.block_sizes:
         return block_num
-    extra = extra_reserved_memory_bytes
     if offline_max_len:  # 0, like None, means online, as in the seed
         paged = _offline_block_num(config, groups, offline_max_len, fixed_bytes, extra,
                                    read_memory)

@@ -3,7 +3,7 @@
 Transitions never touch a published :class:`KVState`.  They open a
 :class:`Transient` on it, edit the transient's per-group working copies
 (copy-on-write: a group's tables are copied on its first write, its ring is
-edited through a pyrsistent evolver), then :meth:`Transient.freeze` it into a
+edited through a few dirty chunk lists), then :meth:`Transient.freeze` it into a
 new state.  Freezing hands the working copies over to the new state and marks
 them shared again, so the same transient can go on being edited afterwards:
 the seed-compatible facade keeps one between calls and materialises a state
@@ -21,7 +21,7 @@ from typing import Any
 from pyrsistent import PVector
 
 from kvfunc.core._errors import UnknownRequestError
-from kvfunc.core._state import BlockId, FrozenDict, GroupState, KVState, RequestId
+from kvfunc.core._state import FREE_CHUNK, BlockId, FrozenDict, GroupState, KVState, RequestId
 
 __all__ = ["GroupTransient", "Transient"]
 
@@ -30,7 +30,7 @@ class GroupTransient:
     """Working copy of one :class:`GroupState`."""
 
     __slots__ = (
-        "block_size", "cap", "changed", "count", "detached", "evolver", "grows", "head", "key",
+        "block_size", "cap", "changed", "count", "detached", "dirty", "grows", "head", "key",
         "may_skip", "owned", "policy", "ring", "src", "tables", "window",
     )
 
@@ -45,9 +45,9 @@ class GroupTransient:
         self.grows = policy.grows_with_tokens
         self.tables: FrozenDict[RequestId, tuple[BlockId, ...]] = group.tables
         self.owned = False
-        self.ring: PVector[BlockId] = group.free_ring
-        self.evolver: Any = None
-        self.cap = len(group.free_ring)
+        self.ring: PVector[tuple[BlockId, ...]] = group.free_ring
+        self.dirty: dict[int, list[BlockId]] | None = None
+        self.cap = len(group.free_ring) * FREE_CHUNK
         self.head = group.free_head
         self.count = group.num_free
         self.detached = group.num_detached
@@ -72,48 +72,74 @@ class GroupTransient:
         return table
 
     # -- the FIFO ring ---------------------------------------------------------
+    def _chunk(self, index: int) -> Any:
+        dirty = self.dirty
+        if dirty is not None:
+            chunk = dirty.get(index)
+            if chunk is not None:
+                return chunk
+        return self.ring[index]
+
     def take(self, n: int) -> list[BlockId]:
         """Pop ``n`` ids from the head (caller checked ``n <= count``)."""
-        src = self.evolver if self.evolver is not None else self.ring
         h, cap = self.head, self.cap
-        if h + n <= cap:
-            ids = [src[i] for i in range(h, h + n)]
-        else:
-            ids = [src[(h + i) % cap] for i in range(n)]
-        self.head = (h + n) % cap
+        out: list[BlockId] = []
+        while len(out) < n:
+            index, off = divmod(h, FREE_CHUNK)
+            m = min(n - len(out), FREE_CHUNK - off)
+            out.extend(self._chunk(index)[off:off + m])
+            h += m
+            if h == cap:
+                h = 0
+        self.head = h
         self.count -= n
         self.changed = True
-        return ids
+        return out
 
     def give(self, ids: Iterable[BlockId]) -> None:
-        """Append ids at the tail, in the order given."""
-        ev = self.evolver
-        if ev is None:
-            ev = self.evolver = self.ring.evolver()
+        """Append ids at the tail, in the order given (chunks copied on first write)."""
+        new = ids if isinstance(ids, list) else list(ids)
+        if not new:
+            return
+        dirty = self.dirty
+        if dirty is None:
+            dirty = self.dirty = {}
         cap = self.cap
         pos = (self.head + self.count) % cap
-        n = 0
-        for b in ids:
-            ev[pos] = b
-            pos += 1
+        i = 0
+        while i < len(new):
+            index, off = divmod(pos, FREE_CHUNK)
+            m = min(len(new) - i, FREE_CHUNK - off)
+            chunk = dirty.get(index)
+            if chunk is None:
+                chunk = dirty[index] = list(self.ring[index])
+            chunk[off:off + m] = new[i:i + m]
+            i += m
+            pos += m
             if pos == cap:
                 pos = 0
-            n += 1
-        self.count += n
+        self.count += len(new)
         self.changed = True
 
     def free_ids(self) -> list[BlockId]:
         """Free ids in hand-out order (O(free); for checks, not the hot path)."""
-        src = self.evolver if self.evolver is not None else self.ring
         h, cap = self.head, self.cap
-        return [src[(h + i) % cap] for i in range(self.count)]
+        out = []
+        for i in range(self.count):
+            p = (h + i) % cap
+            out.append(self._chunk(p // FREE_CHUNK)[p % FREE_CHUNK])
+        return out
 
     def freeze(self) -> GroupState:
         """The group as an immutable value; the working copies become shared."""
         if not self.changed:
             return self.src
-        if self.evolver is not None:
-            self.ring = self.evolver.persistent()
+        if self.dirty:
+            ev = self.ring.evolver()
+            for index, chunk in self.dirty.items():
+                ev[index] = tuple(chunk)
+            self.ring = ev.persistent()
+        self.dirty = None
         self.owned = False
         self.changed = False
         self.src = GroupState(self.key, self.policy, self.tables, self.ring, self.head,

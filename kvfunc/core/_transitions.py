@@ -13,14 +13,13 @@ back to the free queue first (highest logical index first, as in the seed),
 then the new blocks are taken from its head.  The recycled blocks count as
 free in phase 1, so every accepted call hands out exactly the seed's ids.
 
-``allocate_batch`` runs the same per-request step over one transient, so a
-whole scheduler step costs one copy of each group's table dict.
+``allocate_batch`` (in ``_batch``) runs the same step for a whole scheduler
+step over one transient.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Collection
 
 import attrs
 
@@ -31,9 +30,6 @@ from kvfunc.core._transient import GroupTransient, Transient
 
 __all__ = [
     "AllocationResult",
-    "BatchResult",
-    "SlotRequest",
-    "allocate_batch",
     "allocate_slots",
     "format_usage",
     "free_request",
@@ -50,26 +46,6 @@ class AllocationResult:
     ok: bool
     state: KVState
     delta: BlocksChanged
-
-
-@attrs.frozen(slots=True)
-class BatchResult:
-    """Outcome of :func:`allocate_batch`: one state and one delta for the step."""
-
-    state: KVState
-    delta: BlocksChanged
-    refused: tuple[RequestId, ...]
-
-
-class SlotRequest(NamedTuple):
-    """One request's slot demand in a scheduler step (a plain tuple works too)."""
-
-    request_id: RequestId
-    computed_tokens: int
-    num_new_tokens: int
-    lookahead_tokens: int = 0
-    reserved_tokens: int = 0
-    manager_keys: Collection[str] | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -91,7 +67,7 @@ def check_manager_keys(manager_keys: object) -> None:
         raise InvalidTypeError(msg)
 
 
-def _check_counts(computed: object, new: object, lookahead: object, reserved: object) -> None:
+def check_counts(computed: object, new: object, lookahead: object, reserved: object) -> None:
     for name, value in (("computed_tokens", computed), ("num_new_tokens", new),
                         ("lookahead_tokens", lookahead), ("reserved_tokens", reserved)):
         if type(value) is not int:
@@ -139,7 +115,7 @@ def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
     except TypeError:
         total = None
     if type(total) is not int or (reserved and (type(reserved) is not int or reserved < 0)):
-        _check_counts(computed, new, lookahead, reserved)
+        check_counts(computed, new, lookahead, reserved)
         raise InvalidTypeError(f"token counts must be ints, got {(computed, new, lookahead)!r}")
     if new < 0:
         raise InvalidArgumentError("num_new_tokens must be non-negative")
@@ -152,41 +128,67 @@ def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
         g for g in tr.groups if g.key in manager_keys]
     if total < 0 and groups:
         raise InvalidArgumentError("num_tokens must be non-negative")
-    plans: list[tuple[GroupTransient, tuple[BlockId, ...] | None, int, int, int, int]] = []
+    plans: list[tuple[GroupTransient, tuple[BlockId, ...] | None, int, int, int, int]] | None
+    plans = None
     for g in groups:  # phase 1: decide, change nothing
         table = g.tables.get(request_id)
-        held = len(table) if table is not None else 0
         lo = k = 0
-        if held and (g.window is not None or g.may_skip):
-            lo, k = skip_range(g, table, computed)  # type: ignore[arg-type]
-        if held and g.grows:
-            nulls = 0
-            need = (total + g.block_size - 1) // g.block_size - held
-            if need < 0:
-                need = 0
+        if table:
+            held = len(table)
+            w = g.window
+            if w is not None:
+                # Inline the common case: nothing new slid out since the last step
+                # (the block just before the window edge is already null).
+                bs = g.block_size
+                k = (computed - w + 1) // bs
+                if k > held:
+                    k = held
+                if k > 0 and table[k - 1] != NULL_BLOCK:
+                    lo, k = skip_range(g, table, computed)
+                else:
+                    k = 0
+            elif g.may_skip:
+                lo, k = skip_range(g, table, computed)
+            if g.grows:
+                nulls = 0
+                need = (total + g.block_size - 1) // g.block_size - held
+                if need < 0:
+                    need = 0
+            else:
+                nulls, need = g.policy.plan_blocks(held, total)
         else:
-            nulls, need = g.policy.plan_blocks(held, total)
-        available = g.count + (k - lo)
+            nulls, need = g.policy.plan_blocks(0, total)
         if reserved:
-            available -= g.policy.num_reserved_blocks(reserved, len(g.tables))
-        if need > available:
+            if need > g.count + (k - lo) - g.policy.num_reserved_blocks(reserved, len(g.tables)):
+                return False
+        elif need > g.count + (k - lo):
             return False
         if need or nulls or k > lo or table is None:
+            if plans is None:
+                plans = []
             plans.append((g, table, lo, k, nulls, need))
+    if plans is None:
+        return True
     for g, table, lo, k, nulls, need in plans:  # phase 2: apply
-        if table is None:
-            table = ()
-            if sink is not None:
-                sink.registered.append((g.key, request_id))
-        if k > lo:
-            table = recycle_range(g, request_id, table, lo, k, sink)
-        ids = g.take(need) if need else []
-        added = (NULL_BLOCK,) * nulls + tuple(ids)
-        g.set_table(request_id, table + added)
-        if sink is not None and added:
-            key = g.key
-            sink.appended.extend((key, request_id, b) for b in added)
+        apply_plan(g, request_id, table, lo, k, nulls, need, sink)
     return True
+
+
+def apply_plan(g: GroupTransient, request_id: RequestId, table: tuple[BlockId, ...] | None,
+               lo: int, k: int, nulls: int, need: int, sink: DeltaBuilder | None) -> None:
+    """Phase 2 for one request in one group: register, recycle, then take and append."""
+    if table is None:
+        table = ()
+        if sink is not None:
+            sink.registered.append((g.key, request_id))
+    if k > lo:
+        table = recycle_range(g, request_id, table, lo, k, sink)
+    ids = g.take(need) if need else []
+    added = (NULL_BLOCK,) * nulls + tuple(ids)
+    g.set_table(request_id, table + added)
+    if sink is not None and added:
+        key = g.key
+        sink.appended.extend((key, request_id, b) for b in added)
 
 
 def free_into(tr: Transient, request_id: RequestId, manager_keys: Collection[str] | None,
@@ -230,64 +232,13 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
     """
     check_request_id(request_id)
     check_manager_keys(manager_keys)
-    _check_counts(computed_tokens, num_new_tokens, lookahead_tokens, reserved_tokens)
+    check_counts(computed_tokens, num_new_tokens, lookahead_tokens, reserved_tokens)
     tr = Transient(state)
     sink = DeltaBuilder()
     if not allocate_into(tr, request_id, computed_tokens, num_new_tokens, lookahead_tokens,
                          reserved_tokens, manager_keys, sink):
         return AllocationResult(False, state, EMPTY_DELTA)
     return AllocationResult(True, tr.freeze(), sink.build())
-
-
-def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, ...]]
-                   ) -> BatchResult:
-    """One transition for a scheduler step: :func:`allocate_slots` for each request in order.
-
-    Refused requests change nothing and are listed in ``refused``; the
-    result equals calling :func:`allocate_slots` one request at a time.
-    An invalid request raises and the input state stays as it was.
-
-    >>> from kvfunc.core import FullAttention, KVState
-    >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
-    >>> r = allocate_batch(s, [SlotRequest("a", 0, 20), SlotRequest("b", 0, 40)])
-    >>> get_block_ids(r.state, "a"), r.refused
-    ({'full': (1, 2)}, ('b',))
-    """
-    tr = Transient(state)
-    sink = DeltaBuilder()
-    refused: list[RequestId] = []
-    for req in requests:
-        try:
-            rid, computed, new, lookahead, reserved, keys = _unpack(req)
-            if not allocate_into(tr, rid, computed, new, lookahead, reserved, keys, sink):
-                refused.append(rid)
-        except TypeError:
-            _recheck(req)
-            raise
-    return BatchResult(tr.freeze(), sink.build(), tuple(refused))
-
-
-def _unpack(req: Any) -> tuple[Any, int, int, int, int, Any]:
-    n = len(req)
-    if n == 6:
-        return req  # type: ignore[no-any-return]
-    if n == 3:
-        return req[0], req[1], req[2], 0, 0, None
-    if n == 4:
-        return req[0], req[1], req[2], req[3], 0, None
-    return SlotRequest(*req)
-
-
-def _recheck(req: Any) -> None:
-    """Turn a bare TypeError from a malformed request into a typed, named one."""
-    try:
-        rid, computed, new, lookahead, reserved, keys = _unpack(req)
-    except TypeError:
-        msg = f"a batch entry must be a SlotRequest or a tuple of 3-6 fields, got {req!r}"
-        raise InvalidTypeError(msg) from None
-    check_request_id(rid)
-    check_manager_keys(keys)
-    _check_counts(computed, new, lookahead, reserved)
 
 
 def free_request(state: KVState, request_id: RequestId, *,

@@ -12,6 +12,8 @@ attention type only has to register its policy to be accepted here.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 from kvfunc.core._cache_info import (
     CacheAllocator,
     CacheEntry,
@@ -34,40 +36,70 @@ SUPPORTED_CACHE_LAYOUTS: frozenset[str] = frozenset({"BnBsND", "BnNBsD"})
 _ALLOCATOR_VALUES = [item.value for item in CacheAllocator]
 
 
-def _is_positive_int(value: object) -> bool:
+def _is_positive_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and value > 0
 
 
-def _entry_error(cache: CacheEntry, layer_idx: int) -> str | None:
-    """The message of the first check ``cache`` fails, or ``None``."""
+def positive_field(cache: CacheEntry, layer_idx: int, name: str) -> int:
+    """``cache.<name>`` if it is a positive int, else the seed's message as an error.
+
+    >>> positive_field(CacheEntry("k", "FullAttention", 64, 0, "fp16", True), 2, "num_head")
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidCacheInfo: cache k in layer 2 must have positive num_head, but got 0
+    """
+    value = getattr(cache, name)
+    if not _is_positive_int(value):
+        msg = (f"cache {cache.cache_name} in layer {layer_idx} must have positive {name}, "
+               f"but got {value}")
+        raise InvalidCacheInfo(msg)
+    return value
+
+
+def mamba_entry(cache: CacheEntry, layer_idx: int) -> MambaCacheEntry:
+    """``cache`` itself if it is a :class:`MambaCacheEntry`, else the seed's message as an error.
+
+    >>> mamba_entry(CacheEntry("s", "Mamba", None, None, "fp32", True), 0)
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidCacheInfo: cache s in layer 0 declares attn_type='Mamba' and ...
+    """
+    if not isinstance(cache, MambaCacheEntry):
+        msg = (f"cache {cache.cache_name} in layer {layer_idx} declares attn_type='Mamba' and "
+               f"must be a MambaCacheEntry, but got {type(cache).__name__}")
+        raise InvalidCacheInfo(msg)
+    return cache
+
+
+def _check_entry(cache: CacheEntry, layer_idx: int) -> None:
+    """Raise the first check ``cache`` fails, in the seed's order."""
     where = f"cache {cache.cache_name} in layer {layer_idx}"
-    if not _is_positive_int(cache.block_size):
-        return f"{where} must have positive block_size, but got {cache.block_size}"
+    positive_field(cache, layer_idx, "block_size")
     supported = registered_attn_types()
     if cache.attn_type not in supported:
-        return (f"Unsupported attn_type '{cache.attn_type}' found in layer {layer_idx}, "
-                f"cache {cache.cache_name}. Supported attn types are: {supported}")
+        msg = (f"Unsupported attn_type '{cache.attn_type}' found in layer {layer_idx}, "
+               f"cache {cache.cache_name}. Supported attn types are: {supported}")
+        raise InvalidCacheInfo(msg)
     if cache.cache_layout not in SUPPORTED_CACHE_LAYOUTS:
-        return (f"{where} has unsupported cache_layout '{cache.cache_layout}'. "
-                f"Supported layouts are: {sorted(SUPPORTED_CACHE_LAYOUTS)}")
+        msg = (f"{where} has unsupported cache_layout '{cache.cache_layout}'. "
+               f"Supported layouts are: {sorted(SUPPORTED_CACHE_LAYOUTS)}")
+        raise InvalidCacheInfo(msg)
     if cache.attn_type == "Mamba":
-        if not isinstance(cache, MambaCacheEntry):
-            return (f"{where} declares attn_type='Mamba' and must be a MambaCacheEntry, "
-                    f"but got {type(cache).__name__}")
+        mamba_entry(cache, layer_idx)
     else:
         # Every other type describes num_head x dim per token (the seed checks
         # FullAttention and SlidingWindow, the only others it registers).
-        if not _is_positive_int(cache.num_head):
-            return f"{where} must have positive num_head, but got {cache.num_head}"
+        positive_field(cache, layer_idx, "num_head")
         dims = cache.dim if isinstance(cache.dim, tuple) else (cache.dim,)
         if not all(_is_positive_int(d) for d in dims):
-            return f"{where} must have positive dim, but got {as_listed(cache.dim)}"
+            msg = f"{where} must have positive dim, but got {as_listed(cache.dim)}"
+            raise InvalidCacheInfo(msg)
     try:
         CacheAllocator(cache.allocator)
     except ValueError:
-        return (f"{where} has unsupported allocator {cache.allocator}. "
-                f"Supported allocators are: {_ALLOCATOR_VALUES}")
-    return None
+        msg = (f"{where} has unsupported allocator {cache.allocator}. "
+               f"Supported allocators are: {_ALLOCATOR_VALUES}")
+        raise InvalidCacheInfo(msg) from None
 
 
 def validate_cache_info(cache_info: ModelCacheInfo) -> None:
@@ -102,6 +134,4 @@ def validate_cache_info(cache_info: ModelCacheInfo) -> None:
         for cache in layer.caches:
             if not cache.needs_block:
                 continue
-            error = _entry_error(cache, layer.layer_idx)
-            if error is not None:
-                raise InvalidCacheInfo(error)
+            _check_entry(cache, layer.layer_idx)

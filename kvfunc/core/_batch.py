@@ -1,0 +1,195 @@
+"""``allocate_batch``: one transition for a whole scheduler step.
+
+The result is defined as :func:`~kvfunc.allocate_slots` applied to each
+request in order.  It is computed in one of two ways:
+
+* **group-major** (the common case): when no request carries a reservation
+  or a ``manager_keys`` subset, no request id repeats, and in every group the
+  blocks the step needs fit in the blocks free at its start, no request can be
+  refused, and taking from the head / returning to the tail commute.  Each
+  group is then planned in one tight loop over the step's requests and
+  applied in request order, which gives exactly the sequential result at a
+  fraction of the per-request overhead;
+* **request-major** otherwise: the per-request step of ``_transitions``,
+  request after request, on one transient.
+
+A property test checks that both equal sequential ``allocate_slots``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import attrs
+
+from kvfunc.core._delta import BlocksChanged, DeltaBuilder
+from kvfunc.core._errors import InvalidTypeError
+from kvfunc.core._state import NULL_BLOCK, KVState, RequestId
+from kvfunc.core._transient import Transient
+from kvfunc.core._transitions import (
+    allocate_into,
+    apply_plan,
+    check_counts,
+    check_manager_keys,
+    check_request_id,
+    skip_range,
+)
+
+__all__ = ["BatchResult", "SlotRequest", "allocate_batch"]
+
+_RID_TYPES = frozenset({int, str})
+
+
+@attrs.frozen(slots=True)
+class BatchResult:
+    """Outcome of :func:`allocate_batch`: one state and one delta for the step."""
+
+    state: KVState
+    delta: BlocksChanged
+    refused: tuple[RequestId, ...]
+
+
+class SlotRequest(NamedTuple):
+    """One request's slot demand in a scheduler step.
+
+    A plain tuple ``(request_id, computed, new[, lookahead[, reserved[, keys]]])``
+    is accepted wherever a ``SlotRequest`` is, and is cheaper to build.
+    """
+
+    request_id: RequestId
+    computed_tokens: int
+    num_new_tokens: int
+    lookahead_tokens: int = 0
+    reserved_tokens: int = 0
+    manager_keys: Collection[str] | None = None
+
+
+def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, ...]]
+                   ) -> BatchResult:
+    """One transition for a scheduler step: :func:`allocate_slots` for each request in order.
+
+    Refused requests change nothing and are listed in ``refused``; the
+    result equals calling :func:`allocate_slots` one request at a time.
+    An invalid request raises and the input state stays as it was.
+
+    >>> from kvfunc.core import FullAttention, KVState, get_block_ids
+    >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
+    >>> r = allocate_batch(s, [SlotRequest("a", 0, 20), ("b", 0, 40)])
+    >>> get_block_ids(r.state, "a"), r.refused
+    ({'full': (1, 2)}, ('b',))
+    """
+    reqs = requests if isinstance(requests, list | tuple) else list(requests)
+    sink = DeltaBuilder()
+    tr = Transient(state)
+    if _group_major(tr, reqs, sink):
+        return BatchResult(tr.freeze(), sink.build(), ())
+    tr = Transient(state)
+    sink = DeltaBuilder()
+    refused: list[RequestId] = []
+    for req in reqs:
+        try:
+            rid, computed, new, lookahead, reserved, keys = _unpack(req)
+            if not allocate_into(tr, rid, computed, new, lookahead, reserved, keys, sink):
+                refused.append(rid)
+        except TypeError:
+            _recheck(req)
+            raise
+    return BatchResult(tr.freeze(), sink.build(), tuple(refused))
+
+
+def _group_major(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder) -> bool:
+    """Plan and apply the step group by group; False (``tr`` untouched) if it may not."""
+    limit = tr.max_model_len
+    items: list[tuple[Any, int, int]] = []
+    add = items.append
+    for req in reqs:
+        if len(req) == 3:
+            rid, computed, new = req
+            total = computed + new
+        elif len(req) == 6:
+            rid, computed, new, lookahead, reserved, keys = req
+            if reserved or keys is not None:
+                return False
+            total = computed + new + lookahead
+        else:
+            return False
+        if new < 0 or total < 0 or type(total) is not int:
+            return False  # the request-major path raises the precise error
+        if total > limit:
+            add((rid, computed if computed < limit else limit, limit))
+        else:
+            add((rid, computed, total))
+    seen = {item[0] for item in items}
+    if len(seen) != len(items) or not _RID_TYPES.issuperset(map(type, seen)):
+        return False
+    plans = []
+    for g in tr.groups:
+        get = g.tables.get
+        bs = g.block_size
+        bs1 = bs - 1
+        w1 = g.window - 1 if g.window is not None else None
+        grows = g.grows
+        skips = g.may_skip
+        plan_blocks = g.policy.plan_blocks
+        group_plans = []
+        total_need = 0
+        for rid, computed, total in items:
+            table = get(rid)
+            lo = k = nulls = 0
+            if table:
+                held = len(table)
+                if w1 is not None:
+                    k = (computed - w1) // bs
+                    if k > held:
+                        k = held
+                    if k > 0 and table[k - 1] != NULL_BLOCK:
+                        lo, k = skip_range(g, table, computed)
+                    else:
+                        k = 0
+                elif skips:
+                    lo, k = skip_range(g, table, computed)
+                if grows:
+                    if total <= held * bs:
+                        if k == lo:
+                            continue
+                        need = 0
+                    else:
+                        need = (total + bs1) // bs - held
+                else:
+                    nulls, need = plan_blocks(held, total)
+            else:
+                nulls, need = plan_blocks(0, total)
+            if need or nulls or k > lo or table is None:
+                group_plans.append((rid, table, lo, k, nulls, need))
+                total_need += need
+        if total_need > g.count:
+            return False
+        plans.append((g, group_plans))
+    for g, group_plans in plans:
+        for rid, table, lo, k, nulls, need in group_plans:
+            apply_plan(g, rid, table, lo, k, nulls, need, sink)
+    return True
+
+
+def _unpack(req: Any) -> tuple[Any, int, int, int, int, Any]:
+    n = len(req)
+    if n == 6:
+        return req  # type: ignore[no-any-return]
+    if n == 3:
+        return req[0], req[1], req[2], 0, 0, None
+    if n == 4:
+        return req[0], req[1], req[2], req[3], 0, None
+    return SlotRequest(*req)
+
+
+def _recheck(req: Any) -> None:
+    """Turn a bare TypeError from a malformed request into a typed, named one."""
+    try:
+        rid, computed, new, lookahead, reserved, keys = _unpack(req)
+    except TypeError:
+        msg = f"a batch entry must be a SlotRequest or a tuple of 3-6 fields, got {req!r}"
+        raise InvalidTypeError(msg) from None
+    check_request_id(rid)
+    check_manager_keys(keys)
+    check_counts(computed, new, lookahead, reserved)
