@@ -141,7 +141,7 @@ class SingleTypeKVCacheManager:
                 msg = ("Sliding-window block table length mismatch after prefill allocation: "
                        f"got={nulls + block_num_to_allocate}, expected={nulls + expected}")
                 raise InvalidArgumentError(msg)
-        ids = g.take(block_num_to_allocate) if block_num_to_allocate else []
+        ids = g.take(block_num_to_allocate) if block_num_to_allocate else ()
         g.set_table(request_id, table + (NULL_BLOCK,) * nulls + tuple(ids))
 
     def free(self, request_id: Any) -> None:

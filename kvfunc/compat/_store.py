@@ -130,7 +130,7 @@ class BlockPool:
         take_check(g, num_blocks)
         ids = g.take(num_blocks)
         g.detached += num_blocks
-        return ids
+        return list(ids)
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         """Return ids to the tail, in order; the null id is skipped.

@@ -80,25 +80,31 @@ class GroupTransient:
                 return chunk
         return self.ring[index]
 
-    def take(self, n: int) -> list[BlockId]:
+    def take(self, n: int) -> tuple[BlockId, ...]:
         """Pop ``n`` ids from the head (caller checked ``n <= count``)."""
         h, cap = self.head, self.cap
-        out: list[BlockId] = []
-        while len(out) < n:
-            index, off = divmod(h, FREE_CHUNK)
-            m = min(n - len(out), FREE_CHUNK - off)
-            out.extend(self._chunk(index)[off:off + m])
-            h += m
-            if h == cap:
-                h = 0
-        self.head = h
+        index, off = divmod(h, FREE_CHUNK)
+        if off + n <= FREE_CHUNK:  # the common case: one chunk
+            out = tuple(self._chunk(index)[off:off + n])
+            h += n
+        else:
+            parts: list[BlockId] = []
+            while len(parts) < n:
+                index, off = divmod(h, FREE_CHUNK)
+                m = min(n - len(parts), FREE_CHUNK - off)
+                parts.extend(self._chunk(index)[off:off + m])
+                h += m
+                if h == cap:
+                    h = 0
+            out = tuple(parts)
+        self.head = h if h != cap else 0
         self.count -= n
         self.changed = True
         return out
 
     def give(self, ids: Iterable[BlockId]) -> None:
         """Append ids at the tail, in the order given (chunks copied on first write)."""
-        new = ids if isinstance(ids, list) else list(ids)
+        new = ids if isinstance(ids, list | tuple) else list(ids)
         if not new:
             return
         dirty = self.dirty

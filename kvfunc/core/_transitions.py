@@ -97,12 +97,19 @@ def skip_range(g: GroupTransient, table: tuple[BlockId, ...], computed: int) -> 
 def recycle_range(g: GroupTransient, request_id: RequestId, table: tuple[BlockId, ...],
                   lo: int, k: int, sink: DeltaBuilder | None) -> tuple[BlockId, ...]:
     """Null positions ``lo .. k-1`` and free their blocks, highest index first."""
+    if k - lo == 1:  # the common case: one block left the window this step
+        b = table[lo]
+        g.give((b,))
+        if sink is not None:
+            sink.nulled.append((g.key, request_id, lo))
+            sink.freed.append((g.key, b))
+        return table[:lo] + (NULL_BLOCK,) + table[k:]
     freed = [table[i] for i in range(k - 1, lo - 1, -1)]
     g.give(freed)
     if sink is not None:
         key = g.key
-        sink.nulled.extend((key, request_id, i) for i in range(k - 1, lo - 1, -1))
-        sink.freed.extend((key, b) for b in freed)
+        sink.nulled.extend([(key, request_id, i) for i in range(k - 1, lo - 1, -1)])
+        sink.freed.extend([(key, b) for b in freed])
     return table[:lo] + (NULL_BLOCK,) * (k - lo) + table[k:]
 
 
@@ -183,12 +190,20 @@ def apply_plan(g: GroupTransient, request_id: RequestId, table: tuple[BlockId, .
             sink.registered.append((g.key, request_id))
     if k > lo:
         table = recycle_range(g, request_id, table, lo, k, sink)
-    ids = g.take(need) if need else []
-    added = (NULL_BLOCK,) * nulls + tuple(ids)
-    g.set_table(request_id, table + added)
+    if need:
+        ids = g.take(need)
+        added = (NULL_BLOCK,) * nulls + ids if nulls else ids
+    elif nulls:
+        added = (NULL_BLOCK,) * nulls
+    else:
+        added = ()
+    g.set_table(request_id, table + added if added else table)
     if sink is not None and added:
         key = g.key
-        sink.appended.extend((key, request_id, b) for b in added)
+        if len(added) == 1:
+            sink.appended.append((key, request_id, added[0]))
+        else:
+            sink.appended.extend([(key, request_id, b) for b in added])
 
 
 def free_into(tr: Transient, request_id: RequestId, manager_keys: Collection[str] | None,
