@@ -7,8 +7,12 @@ seed module raises in the same situation, so code written against the seed
 
 from __future__ import annotations
 
+import enum
+
 __all__ = [
     "BlockIndexError",
+    "LLMError",
+    "LLMStatusCode",
     "DoubleFreeError",
     "InsufficientMemoryError",
     "InvalidArgumentError",
@@ -85,3 +89,40 @@ class MissingTensorError(KVFuncError, RuntimeError):
 
 class ReplayMismatchError(KVFuncError, ValueError):
     """A delta does not apply to the state it is replayed on."""
+
+
+class LLMStatusCode(enum.Enum):
+    """LLM-DataDist status codes; every DataDist error carries one.
+
+    >>> LLMStatusCode.LLM_KV_CACHE_NOT_EXIST.name
+    'LLM_KV_CACHE_NOT_EXIST'
+    """
+
+    LLM_SUCCESS = 0
+    LLM_FAILED = 1
+    LLM_WAIT_PROCESS_TIMEOUT = 2
+    LLM_KV_CACHE_NOT_EXIST = 3
+    LLM_PARAM_INVALID = 4
+    LLM_DEVICE_OUT_OF_MEMORY = 5
+    LLM_OUT_OF_MEMORY = 6
+    LLM_NOT_YET_LINK = 7
+    LLM_ALREADY_LINK = 8
+    LLM_LINK_FAILED = 9
+    LLM_LINK_BUSY = 10
+    LLM_CLUSTER_NUM_EXCEED_LIMIT = 11
+    LLM_FEATURE_NOT_ENABLED = 12
+    LLM_TIMEOUT = 13
+    LLM_UNKNOWN_ERROR = 14
+
+
+class LLMError(KVFuncError):
+    """A DataDist operation failed; ``status_code`` says how (``LLMStatusCode``).
+
+    >>> e = LLMError(LLMStatusCode.LLM_NOT_YET_LINK, "cluster 2 is not linked")
+    >>> e.status_code, str(e)
+    (<LLMStatusCode.LLM_NOT_YET_LINK: 7>, 'LLM_NOT_YET_LINK: cluster 2 is not linked')
+    """
+
+    def __init__(self, status_code: LLMStatusCode, message: str) -> None:
+        super().__init__(f"{status_code.name}: {message}")
+        self.status_code = status_code
