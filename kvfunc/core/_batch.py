@@ -112,6 +112,9 @@ def _group_major(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder) -> bool
             if reserved or keys is not None:
                 return False
             total = computed + new + lookahead
+        elif len(req) == 4:
+            rid, computed, new, lookahead = req
+            total = computed + new + lookahead
         else:
             return False
         if new < 0 or total < 0 or type(total) is not int:

@@ -1,0 +1,265 @@
+"""Capacity planning: how many blocks each manager key gets from a memory budget.
+
+What the budget means (the seed's online sizing, spec §5.5)::
+
+    cache budget = memory x mem_fraction - used - extra_reserved
+                   \\_ device total     \\_ already in use when the cache is sized:
+                                          model weights, activations, other processes
+
+Model weights are *not* counted unless passed as ``used`` (``--used-memory``).
+Fixed-block groups (sliding window, recurrent state) are sized by the batch
+(``concurrency``) and taken from the budget first; paged groups
+(full attention) share what is left, one token of every paged cache at a
+time.  Offline mode (``offline_max_len``) sizes paged groups for that
+length instead and only checks that they fit.
+
+Every figure comes from :func:`kvfunc.calculate_block_num`; this module adds
+bytes, token capacity and the concurrency a length allows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from kvfunc.cli._errors import CLIError
+from kvfunc.cli._presets import ModelPreset
+from kvfunc.cli._units import format_bytes
+from kvfunc.core import (
+    CacheAllocator,
+    CacheEntry,
+    MambaCacheEntry,
+    SizingConfig,
+    calculate_block_num,
+    calculate_fixed_block_memory_bytes,
+    dtype_itemsize,
+)
+
+__all__ = ["Budget", "GroupPlan", "PlanConfig", "PlanReport", "plan_model", "size_blocks"]
+
+
+@attrs.frozen
+class Budget:
+    """A device memory budget (see the module docstring).
+
+    >>> Budget(64 * 2**30, 0.9, used_bytes=16 * 2**30).cache_budget_bytes / 2**30
+    41.6
+    """
+
+    memory_bytes: int
+    mem_fraction: float = 0.9
+    used_bytes: int = 0
+    extra_reserved_bytes: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.memory_bytes <= 0:
+            raise CLIError(f"--memory must be positive, got {self.memory_bytes} bytes")
+        if not 0 < self.mem_fraction <= 1:
+            raise CLIError(f"--mem-fraction must lie in (0, 1], got {self.mem_fraction}")
+        if not 0 <= self.used_bytes <= self.memory_bytes:
+            msg = (f"--used-memory ({format_bytes(self.used_bytes)}) must lie between 0 and "
+                   f"--memory ({format_bytes(self.memory_bytes)})")
+            raise CLIError(msg)
+        if self.extra_reserved_bytes < 0:
+            raise CLIError("--extra-reserved must not be negative")
+
+    @property
+    def cache_budget_bytes(self) -> float:
+        """``memory x mem_fraction - used - extra_reserved`` (what caches may take)."""
+        return (self.memory_bytes * self.mem_fraction - self.used_bytes
+                - self.extra_reserved_bytes)
+
+
+@attrs.frozen
+class PlanConfig:
+    """The engine settings a plan is made for.
+
+    Attributes:
+        budget: device memory and what of it the cache may take.
+        concurrency: the most requests running at once (``batch_size_per_dp_rank``).
+        max_prefill_tokens: the longest prefill the cache must hold.
+        max_len: the request length (prompt + output) the concurrency column is for.
+        offline_max_len: size paged groups for this fixed length instead of the budget.
+    """
+
+    budget: Budget
+    concurrency: int = 64
+    max_prefill_tokens: int = 8192
+    max_len: int = 8192
+    offline_max_len: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        for name, value in (("--concurrency", self.concurrency), ("--max-len", self.max_len)):
+            if type(value) is not int or value <= 0:
+                raise CLIError(f"{name} must be a positive integer, got {value!r}")
+        offline = self.offline_max_len
+        if offline is not None and (type(offline) is not int or offline <= 0):
+            raise CLIError(f"--offline-max-len must be a positive integer, got {offline!r}")
+        if type(self.max_prefill_tokens) is not int or self.max_prefill_tokens < 0:
+            msg = f"--max-prefill-tokens must be a non-negative integer, got " \
+                  f"{self.max_prefill_tokens!r}"
+            raise CLIError(msg)
+
+
+@attrs.frozen
+class GroupPlan:
+    """One manager key's share of the budget (a row of the plan table)."""
+
+    manager_key: str
+    attn_type: str
+    sizing: str  # "paged" (from the budget) or "fixed" (from the batch)
+    block_size: int
+    num_blocks: int
+    tokens: int | None  # token slots, the null block excluded; None for recurrent states
+    block_bytes: int
+    bytes: int
+    blocks_per_request: int
+    max_concurrency: int
+
+
+@attrs.frozen
+class PlanReport:
+    """A whole plan: one :class:`GroupPlan` per manager key, in manager order."""
+
+    model: ModelPreset
+    config: PlanConfig
+    groups: tuple[GroupPlan, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every cache, null blocks included."""
+        return sum(g.bytes for g in self.groups)
+
+    @property
+    def max_concurrency(self) -> int:
+        """Requests of ``max_len`` tokens the scarcest group can hold at once."""
+        return min(g.max_concurrency for g in self.groups)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``--json`` (sizes in bytes)."""
+        budget = self.config.budget
+        return {
+            "model": {"name": self.model.name, "title": self.model.title,
+                      "sources": list(self.model.sources), "notes": list(self.model.notes),
+                      "num_layers": self.model.cache_info.num_layers,
+                      "max_model_len": self.model.max_model_len, "mtp_depth": self.model.next_n},
+            "budget": {"memory_bytes": budget.memory_bytes, "mem_fraction": budget.mem_fraction,
+                       "used_bytes": budget.used_bytes,
+                       "extra_reserved_bytes": budget.extra_reserved_bytes,
+                       "cache_budget_bytes": int(budget.cache_budget_bytes)},
+            "concurrency": self.config.concurrency,
+            "max_prefill_tokens": self.config.max_prefill_tokens,
+            "max_len": self.config.max_len,
+            "offline_max_len": self.config.offline_max_len,
+            "groups": [attrs.asdict(g) for g in self.groups],
+            "total_bytes": self.total_bytes,
+            "max_concurrency": self.max_concurrency,
+        }
+
+
+def _entry_block_bytes(cache: CacheEntry) -> int:
+    """Bytes one block of ``cache`` takes in one layer (what sizing charges)."""
+    if CacheAllocator(cache.allocator) is not CacheAllocator.HBM:
+        return 0
+    itemsize = dtype_itemsize(cache.dtype)
+    if isinstance(cache, MambaCacheEntry):
+        return cache.cache_dim_numel() * itemsize
+    assert cache.block_size is not None and cache.num_head is not None  # validated
+    token_bytes = cache.cache_dim_numel() * cache.num_head * itemsize
+    if cache.attn_type == "SlidingWindow":
+        return cache.block_size * token_bytes  # windows are sized uncompressed
+    return cache.block_size * (token_bytes // cache.compress_ratio)
+
+
+def _blocks_per_request(attn_type: str, block_size: int, window: int | None, next_n: int,
+                        length: int) -> int:
+    """Blocks one request of ``length`` tokens holds at its peak in one group."""
+    if attn_type == "Mamba":
+        return 1 + next_n
+    # A decode step with MTP may write 2 * next_n tokens past the request.
+    full = -(-(length + 2 * next_n) // block_size)
+    if attn_type == "SlidingWindow" and window is not None:
+        return min(full, -(-(window + 2 * next_n) // block_size) + 1)
+    return full
+
+
+def _explain_shortage(model: ModelPreset, config: PlanConfig, sizing: SizingConfig,
+                      reason: str) -> str:
+    """One line: why the budget is too small, in the command's terms, and what to change."""
+    budget = config.budget
+    have = (f"the cache budget is {format_bytes(max(0.0, budget.cache_budget_bytes))} "
+            f"({format_bytes(budget.memory_bytes)} x {budget.mem_fraction:g} - "
+            f"{format_bytes(budget.used_bytes)} used - "
+            f"{format_bytes(budget.extra_reserved_bytes)} reserved)")
+    _, fixed = calculate_fixed_block_memory_bytes(sizing, model.cache_info)
+    if config.offline_max_len:
+        why = f"offline sizing for {config.offline_max_len:,}-token requests does not fit"
+        fix = "lower --offline-max-len or --concurrency, or raise --memory"
+    elif fixed >= budget.cache_budget_bytes:
+        why = (f"{model.name}'s window and state caches alone take {format_bytes(fixed)} at "
+               f"--concurrency {config.concurrency}")
+        fix = "raise --memory or --mem-fraction, or lower --concurrency or --used-memory"
+    elif "max input length" in reason:
+        left = (f"what is left after {format_bytes(fixed)} of window and state caches"
+                if fixed else "it")
+        why = (f"{left} holds fewer than --max-prefill-tokens {config.max_prefill_tokens:,} "
+               "tokens")
+        fix = "raise --memory or --mem-fraction, or lower --max-prefill-tokens"
+    else:
+        why = reason
+        fix = "raise --memory or --mem-fraction"
+    return f"{have}; {why}: {fix}"
+
+
+def size_blocks(model: ModelPreset, config: PlanConfig) -> dict[str, int]:
+    """``{manager_key: num_blocks}`` from :func:`kvfunc.calculate_block_num`.
+
+    Raises:
+        CLIError: the budget cannot hold the caches (with what to change).
+
+    >>> from kvfunc.cli._presets import build_preset
+    >>> size_blocks(build_preset("llama-3-8b"), PlanConfig(Budget(64 * 2**30)))
+    {'FullAttention': 29491}
+    """
+    budget = config.budget
+    sizing = SizingConfig(batch_size_per_dp_rank=config.concurrency,
+                          mem_fraction_static=float(budget.mem_fraction),
+                          max_prefill_tokens=config.max_prefill_tokens, next_n=model.next_n)
+    try:
+        return calculate_block_num(
+            sizing, model.cache_info, free_memory_bytes=budget.memory_bytes - budget.used_bytes,
+            total_memory_bytes=budget.memory_bytes, offline_max_len=config.offline_max_len,
+            extra_reserved_memory_bytes=budget.extra_reserved_bytes)
+    except MemoryError as exc:
+        raise CLIError(_explain_shortage(model, config, sizing, str(exc))) from None
+    except ValueError as exc:
+        raise CLIError(f"cannot size {model.name}: {exc}") from None
+
+
+def plan_model(model: ModelPreset, config: PlanConfig) -> PlanReport:
+    """Size ``model`` for ``config`` and describe every manager key.
+
+    >>> from kvfunc.cli._presets import build_preset
+    >>> report = plan_model(build_preset("gpt-oss-120b"), PlanConfig(Budget(80 * 2**30)))
+    >>> [(g.manager_key, g.sizing, g.block_size) for g in report.groups]
+    [('SlidingWindow', 'fixed', 16), ('FullAttention', 'paged', 16)]
+    """
+    num_blocks = size_blocks(model, config)
+    groups: dict[str, list[CacheEntry]] = {}
+    for _, cache in model.cache_info.iter_caches():
+        if cache.needs_block:
+            groups.setdefault(cache.group_key, []).append(cache)
+    rows = []
+    for key, entries in groups.items():
+        first = entries[0]
+        attn_type, block_size = first.attn_type, first.block_size or 1
+        blocks = num_blocks[key]
+        block_bytes = sum(_entry_block_bytes(e) for e in entries)
+        per_request = _blocks_per_request(attn_type, block_size, first.sliding_window,
+                                          model.next_n, config.max_len)
+        rows.append(GroupPlan(
+            key, attn_type, "fixed" if attn_type in ("SlidingWindow", "Mamba") else "paged",
+            block_size, blocks, None if attn_type == "Mamba" else (blocks - 1) * block_size,
+            block_bytes, blocks * block_bytes, per_request, (blocks - 1) // per_request))
+    return PlanReport(model, config, tuple(rows))

@@ -1,0 +1,272 @@
+"""A continuous-batching scheduler on the pure allocator.
+
+Theory of operation
+-------------------
+One :meth:`Scheduler.step` is one engine step of ``step_s`` simulated seconds:
+
+1. requests whose arrival time has come join the FIFO ``waiting`` queue (a
+   request longer than ``max_model_len``, or that would not fit in an empty
+   cache, is rejected there and never runs);
+2. every running request asks for its next slots, oldest first, within a
+   token budget (``max_batched_tokens``): a chunk of its prefill, or one
+   decode step (``1 + next_n`` tokens and ``next_n - 1`` lookahead with MTP);
+3. waiting requests are admitted from the head while there is room in the
+   batch and in the budget; admission is strictly FIFO;
+4. the whole step is one :func:`kvfunc.allocate_batch`.  If a *running*
+   request was refused, the step is thrown away (the input state is
+   untouched, so that costs nothing), the youngest running request is
+   preempted — freed, and put back at the head of the queue to be recomputed
+   from scratch — and the step is retried without any admission.  If only
+   admissions were refused, the step is retried with the admissions before
+   the first refused one, which keeps the queue FIFO;
+5. finished requests are freed.
+
+Every decode step is taken to accept all ``next_n`` draft tokens.  There is
+no prefix caching: kvfunc has none yet, so every prompt is prefilled in full.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kvfunc.cli._trace import TraceRequest
+from kvfunc.core import BlocksChanged, KVState, allocate_batch, allocate_slots, free_request
+
+__all__ = ["Scheduler", "SchedulerConfig"]
+
+DeltaSink = Callable[[int, BlocksChanged], None]
+
+
+@attrs.frozen
+class SchedulerConfig:
+    """Engine settings of the simulated scheduler.
+
+    Attributes:
+        max_num_seqs: the most requests running at once.
+        max_batched_tokens: tokens one step may schedule (prefill chunks + decodes).
+        next_n: MTP depth: a decode step writes ``1 + next_n`` tokens.
+        step_s: simulated seconds one step takes.
+        speedup: arrival times are divided by this (2.0 = twice the load).
+    """
+
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+    next_n: int = 0
+    step_s: float = 0.02
+    speedup: float = 1.0
+
+
+class Scheduler:
+    """Runs a trace through the allocator step by step (see the module docstring).
+
+    >>> from kvfunc.core import FullAttention, KVState
+    >>> state = KVState.create({"full": FullAttention(num_blocks=64, block_size=16)}, 4096)
+    >>> s = Scheduler(state, [TraceRequest(0.0, 100, 3), TraceRequest(0.0, 200, 2)],
+    ...               SchedulerConfig(max_batched_tokens=512))
+    >>> while s.step():
+    ...     pass
+    >>> s.finished, s.generated_tokens, s.steps, s.state.groups[0].num_free
+    (2, 5, 3, 63)
+    """
+
+    def __init__(self, state: KVState, requests: Sequence[TraceRequest], config: SchedulerConfig,
+                 *, on_delta: DeltaSink | None = None) -> None:
+        self.state = state
+        self.config = config
+        self._fresh = state
+        self._on_delta = on_delta
+        self.arrival = [r.arrival_s / config.speedup for r in requests]
+        self.prompt = [r.prompt_tokens for r in requests]
+        self.output = [r.output_tokens for r in requests]
+        n = len(requests)
+        self.computed = [0] * n
+        self.target = list(self.prompt)  # tokens to prefill before decoding
+        self.generated = [0] * n
+        self.preempted = [False] * n
+        self.running: list[int] = []
+        self.waiting: deque[int] = deque()
+        self._next = 0
+        self.clock = 0.0
+        self.steps = 0
+        self.finished = self.rejected = self.preemptions = self.refused_allocations = 0
+        self.prefill_tokens = self.recomputed_tokens = self.generated_tokens = 0
+        self._capacity = [g.policy.num_blocks - 1 for g in state.groups]
+        #: Per group, blocks held after each step (the null block excluded).
+        self.usage: list[list[int]] = [[] for _ in state.groups]
+        #: Simulated time at the end of each step, and the allocator's seconds in it.
+        self.times: list[float] = []
+        self.alloc_s: list[float] = []
+        self._spent = 0.0
+
+    @property
+    def done(self) -> int:
+        """Requests finished or rejected so far."""
+        return self.finished + self.rejected
+
+    # -- transitions, timed and logged ----------------------------------------------------
+    def _emit(self, delta: BlocksChanged) -> None:
+        if self._on_delta is not None and not delta.is_empty:
+            self._on_delta(self.steps, delta)
+
+    def _allocate(self, state: KVState, batch: list[tuple[Any, ...]]) -> Any:
+        t0 = time.perf_counter()
+        res = allocate_batch(state, batch)
+        self._spent += time.perf_counter() - t0
+        return res
+
+    def _free(self, state: KVState, rid: int) -> KVState:
+        t0 = time.perf_counter()
+        state, delta = free_request(state, rid)
+        self._spent += time.perf_counter() - t0
+        self._emit(delta)
+        return state
+
+    # -- the step ----------------------------------------------------------------------------
+    def _servable(self, rid: int) -> bool:
+        total = self.prompt[rid] + self.output[rid]
+        limit = self._fresh.max_model_len
+        if total > limit:
+            return False
+        need = min(total + 2 * self.config.next_n, limit)
+        return allocate_slots(self._fresh, -1, 0, need).ok
+
+    def _arrivals(self) -> None:
+        arrival, n = self.arrival, len(self.arrival)
+        while self._next < n and arrival[self._next] <= self.clock:
+            rid = self._next
+            self._next += 1
+            if self._servable(rid):
+                self.waiting.append(rid)
+            else:
+                self.rejected += 1
+
+    def _running_batch(self, budget: int) -> tuple[list[tuple[Any, ...]], int]:
+        n = self.config.next_n
+        width = 1 + n
+        computed, target = self.computed, self.target
+        batch: list[tuple[Any, ...]] = []
+        for rid in self.running:
+            c = computed[rid]
+            left = target[rid] - c
+            if left > 0:
+                chunk = left if left < budget else budget
+                if chunk > 0:
+                    batch.append((rid, c, chunk))
+                    budget -= chunk
+            elif budget >= width:
+                batch.append((rid, c, 1) if not n else (rid, c, width, n - 1, 0, None))
+                budget -= width
+        return batch, budget
+
+    def _admissions(self, budget: int) -> list[tuple[Any, ...]]:
+        room = self.config.max_num_seqs - len(self.running)
+        batch: list[tuple[Any, ...]] = []
+        for rid in self.waiting:
+            if room <= 0 or budget <= 0:
+                break
+            chunk = min(self.target[rid], budget)
+            batch.append((rid, 0, chunk))
+            budget -= chunk
+            room -= 1
+        return batch
+
+    def _preempt_youngest(self, state: KVState) -> tuple[KVState, int]:
+        victim = self.running.pop()
+        state = self._free(state, victim)
+        self.preemptions += 1
+        self.preempted[victim] = True
+        # Recompute: everything known so far is prefilled again from scratch.
+        self.target[victim] = self.prompt[victim] + self.generated[victim]
+        self.computed[victim] = 0
+        self.waiting.appendleft(victim)
+        return state, victim
+
+    def _plan_step(self) -> tuple[Any, list[tuple[Any, ...]], int]:
+        """Allocate the step; returns the result, the scheduled entries and admissions."""
+        batch, budget = self._running_batch(self.config.max_batched_tokens)
+        num_running = len(batch)
+        batch += self._admissions(budget)
+        state = self.state
+        res = self._allocate(state, batch)
+        if not res.refused:
+            return res, batch, len(batch) - num_running
+        refused = set(res.refused)
+        self.refused_allocations += len(refused)
+        if any(entry[0] in refused for entry in batch[:num_running]):
+            batch = batch[:num_running]
+            while res.refused:
+                if not self.running:
+                    raise AssertionError("a lone request was refused after it was checked")
+                state, victim = self._preempt_youngest(state)
+                batch = [entry for entry in batch if entry[0] != victim]
+                res = self._allocate(state, batch)
+                self.refused_allocations += len(res.refused)
+            return res, batch, 0
+        first = next(i for i, entry in enumerate(batch) if entry[0] in refused)
+        batch = batch[:first]
+        res = self._allocate(state, batch)  # a prefix of a sequential batch: same outcome
+        assert not res.refused, res.refused
+        return res, batch, first - num_running
+
+    def step(self) -> bool:
+        """Run one step; False (and nothing done) once every request is finished or rejected."""
+        self._arrivals()
+        if not self.running and not self.waiting:
+            if self._next >= len(self.arrival):
+                return False
+            self.clock = self.arrival[self._next]  # idle: jump to the next arrival
+            self._arrivals()
+            if not self.waiting:
+                return True
+        self._spent = 0.0
+        res, batch, num_admitted = self._plan_step()
+        self.state = res.state
+        self._emit(res.delta)
+        for _ in range(num_admitted):
+            self.running.append(self.waiting.popleft())
+        self._advance(batch)
+        self.steps += 1
+        self.clock += self.config.step_s
+        self.times.append(self.clock)
+        self.alloc_s.append(self._spent)
+        capacity = self._capacity
+        for i, g in enumerate(self.state.groups):
+            self.usage[i].append(capacity[i] - g.num_free)
+        return True
+
+    def _advance(self, batch: list[tuple[Any, ...]]) -> None:
+        computed, target, generated, output = self.computed, self.target, self.generated, \
+            self.output
+        width = 1 + self.config.next_n
+        finished = []
+        for entry in batch:
+            rid, c, new = entry[0], entry[1], entry[2]
+            if c < target[rid]:  # a prefill chunk
+                computed[rid] = c + new
+                if self.preempted[rid]:
+                    self.recomputed_tokens += new
+                else:
+                    self.prefill_tokens += new
+                if c + new < target[rid]:
+                    continue
+                k = 1  # the prefill's last position samples the next token
+            else:
+                k = min(width, output[rid] - generated[rid])
+                computed[rid] = c + k
+            generated[rid] += k
+            self.generated_tokens += k
+            if generated[rid] >= output[rid]:
+                finished.append(rid)
+        if finished:
+            state = self.state
+            for rid in finished:
+                state = self._free(state, rid)
+            self.state = state
+            self.finished += len(finished)
+            gone = set(finished)
+            self.running = [rid for rid in self.running if rid not in gone]
