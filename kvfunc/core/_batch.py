@@ -33,7 +33,7 @@ from kvfunc.core._transitions import (
     check_counts,
     check_manager_keys,
     check_request_id,
-    skip_range,
+    plan_group,
 )
 
 __all__ = ["BatchResult", "SlotRequest", "allocate_batch"]
@@ -98,71 +98,61 @@ def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, .
     return BatchResult(tr.freeze(), sink.build(), tuple(refused))
 
 
-def _group_major(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder) -> bool:
-    """Plan and apply the step group by group; False (``tr`` untouched) if it may not."""
-    limit = tr.max_model_len
-    items: list[tuple[Any, int, int]] = []
-    add = items.append
+def _rows(reqs: Sequence[Any], limit: int) -> list[tuple[Any, int, int]] | None:
+    """``(request id, computed, total)`` per request, clamped; None if the fast path may not run."""
+    rows: list[tuple[Any, int, int]] = []
+    add = rows.append
     for req in reqs:
-        if len(req) == 3:
+        width = len(req)
+        if width == 3:
             rid, computed, new = req
             total = computed + new
-        elif len(req) == 6:
-            rid, computed, new, lookahead, reserved, keys = req
-            if reserved or keys is not None:
-                return False
-            total = computed + new + lookahead
-        elif len(req) == 4:
+        elif width == 4:
             rid, computed, new, lookahead = req
             total = computed + new + lookahead
+        elif width == 6:
+            rid, computed, new, lookahead, reserved, keys = req
+            if reserved or keys is not None:
+                return None
+            total = computed + new + lookahead
         else:
-            return False
+            return None
         if new < 0 or total < 0 or type(total) is not int:
-            return False  # the request-major path raises the precise error
+            return None  # the request-major path raises the precise error
         if total > limit:
             add((rid, computed if computed < limit else limit, limit))
         else:
             add((rid, computed, total))
-    seen = {item[0] for item in items}
-    if len(seen) != len(items) or not _RID_TYPES.issuperset(map(type, seen)):
+    seen = {row[0] for row in rows}
+    if len(seen) != len(rows) or not _RID_TYPES.issuperset(map(type, seen)):
+        return None
+    return rows
+
+
+def _group_major(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder) -> bool:
+    """Plan and apply the step group by group; False (``tr`` untouched) if it may not."""
+    rows = _rows(reqs, tr.max_model_len)
+    if rows is None:
         return False
     plans = []
     for g in tr.groups:
         get = g.tables.get
         bs = g.block_size
-        bs1 = bs - 1
         w1 = g.window - 1 if g.window is not None else None
-        grows = g.grows
-        skips = g.may_skip
-        plan_blocks = g.policy.plan_blocks
+        quiet_if_no_growth = g.grows and not (w1 is None and g.may_skip)
         group_plans = []
         total_need = 0
-        for rid, computed, total in items:
+        for rid, computed, total in rows:
             table = get(rid)
-            lo = k = nulls = 0
-            if table:
+            if quiet_if_no_growth and table and total <= len(table) * bs:
+                if w1 is None:
+                    continue
+                # No growth: the table changes only if a block newly left the window.
+                k = (computed - w1) // bs
                 held = len(table)
-                if w1 is not None:
-                    k = (computed - w1) // bs
-                    if k > held:
-                        k = held
-                    if k > 0 and table[k - 1] != NULL_BLOCK:
-                        lo, k = skip_range(g, table, computed)
-                    else:
-                        k = 0
-                elif skips:
-                    lo, k = skip_range(g, table, computed)
-                if grows:
-                    if total <= held * bs:
-                        if k == lo:
-                            continue
-                        need = 0
-                    else:
-                        need = (total + bs1) // bs - held
-                else:
-                    nulls, need = plan_blocks(held, total)
-            else:
-                nulls, need = plan_blocks(0, total)
+                if k <= 0 or table[(k if k < held else held) - 1] == NULL_BLOCK:
+                    continue
+            lo, k, nulls, need = plan_group(g, table, computed, total)
             if need or nulls or k > lo or table is None:
                 group_plans.append((rid, table, lo, k, nulls, need))
                 total_need += need

@@ -11,14 +11,14 @@ import enum
 
 __all__ = [
     "BlockIndexError",
-    "LLMError",
-    "LLMStatusCode",
     "DoubleFreeError",
     "InsufficientMemoryError",
     "InvalidArgumentError",
     "InvalidCacheInfo",
     "InvalidTypeError",
     "KVFuncError",
+    "LLMError",
+    "LLMStatusCode",
     "MissingKeyError",
     "MissingTensorError",
     "NotSupportedError",

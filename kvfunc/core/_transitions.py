@@ -20,6 +20,7 @@ step over one transient.
 from __future__ import annotations
 
 from collections.abc import Collection
+from itertools import repeat
 
 import attrs
 
@@ -113,6 +114,27 @@ def recycle_range(g: GroupTransient, request_id: RequestId, table: tuple[BlockId
     return table[:lo] + (NULL_BLOCK,) * (k - lo) + table[k:]
 
 
+def plan_group(g: GroupTransient, table: tuple[BlockId, ...] | None, computed: int,
+               total: int) -> tuple[int, int, int, int]:
+    """Phase 1 for one request in one group: ``(lo, k, nulls, need)``.
+
+    Positions ``lo .. k-1`` slid out and will be recycled; the table then
+    gets ``nulls`` null entries and ``need`` new blocks.
+    """
+    if not table:
+        nulls, need = g.policy.plan_blocks(0, total)
+        return 0, 0, nulls, need
+    lo = k = 0
+    if g.window is not None or g.may_skip:
+        lo, k = skip_range(g, table, computed)
+    held = len(table)
+    if g.grows:
+        need = (total + g.block_size - 1) // g.block_size - held
+        return lo, k, 0, need if need > 0 else 0
+    nulls, need = g.policy.plan_blocks(held, total)
+    return lo, k, nulls, need
+
+
 def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
                   lookahead: int, reserved: int, manager_keys: Collection[str] | None,
                   sink: DeltaBuilder | None) -> bool:
@@ -139,32 +161,18 @@ def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
     plans = None
     for g in groups:  # phase 1: decide, change nothing
         table = g.tables.get(request_id)
-        lo = k = 0
-        if table:
-            held = len(table)
+        if table and not reserved and g.grows and total <= len(table) * g.block_size:
+            # The common decode step: no growth; only a new skip could change the table.
             w = g.window
-            if w is not None:
-                # Inline the common case: nothing new slid out since the last step
-                # (the block just before the window edge is already null).
-                bs = g.block_size
-                k = (computed - w + 1) // bs
-                if k > held:
-                    k = held
-                if k > 0 and table[k - 1] != NULL_BLOCK:
-                    lo, k = skip_range(g, table, computed)
-                else:
-                    k = 0
-            elif g.may_skip:
-                lo, k = skip_range(g, table, computed)
-            if g.grows:
-                nulls = 0
-                need = (total + g.block_size - 1) // g.block_size - held
-                if need < 0:
-                    need = 0
+            if w is None:
+                if not g.may_skip:
+                    continue
             else:
-                nulls, need = g.policy.plan_blocks(held, total)
-        else:
-            nulls, need = g.policy.plan_blocks(0, total)
+                k = (computed - w + 1) // g.block_size
+                held = len(table)
+                if k <= 0 or table[(k if k < held else held) - 1] == NULL_BLOCK:
+                    continue
+        lo, k, nulls, need = plan_group(g, table, computed, total)
         if reserved:
             if need > g.count + (k - lo) - g.policy.num_reserved_blocks(reserved, len(g.tables)):
                 return False
@@ -215,11 +223,11 @@ def free_into(tr: Transient, request_id: RequestId, manager_keys: Collection[str
         if request_id not in g.tables:
             continue
         table = g.drop_table(request_id)
-        ids = [b for b in table if b != NULL_BLOCK]
+        ids = [b for b in table if b != NULL_BLOCK] if NULL_BLOCK in table else table
         g.give(ids)
         if sink is not None:
             sink.released.append((g.key, request_id))
-            sink.freed.extend((g.key, b) for b in ids)
+            sink.freed.extend(zip(repeat(g.key), ids))
 
 
 # ----------------------------------------------------------------------------
