@@ -24,6 +24,8 @@ from kvfunc.compat._sizing import (
     validate_cache_info,
 )
 from kvfunc.compat._store import BlockPool
+from kvfunc.compat._tables import prepare_block_tables, prepare_slot_mapping
+from kvfunc.compat._tensors import allocate_cache_tensors
 
 __all__ = [
     "ATTN_TYPE_MANAGER_MAP",
@@ -35,9 +37,12 @@ __all__ = [
     "MambaManager",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
+    "allocate_cache_tensors",
     "calculate_block_num",
     "calculate_fixed_block_memory_bytes",
     "create_single_type_managers",
     "dtype_itemsize",
+    "prepare_block_tables",
+    "prepare_slot_mapping",
     "validate_cache_info",
 ]

@@ -1,0 +1,262 @@
+"""Block operations on cache tensors: copy, swap and zero, batched over blocks.
+
+Every cache tensor keeps block ``b`` in ``tensor[b]`` (dimension 0 is the
+block, whatever the layout), so each operation is one ``index_select`` /
+``index_copy_`` / ``index_fill_`` per tensor over all the blocks at once,
+never a Python loop per block.  Copies act simultaneously: every source is
+read before any destination is written, so ``1 -> 2, 2 -> 3`` leaves the old
+block 2 in block 3.
+
+Every argument is checked against every tensor before the first write:
+block ids in range, equal lengths, no destination written twice, matching
+dtypes and block shapes.  A bad call raises a typed error naming the tensor
+and the bad value, and no tensor is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TypeAlias
+
+import numpy as np
+import torch
+
+from kvfunc.core._delta import BlocksChanged
+from kvfunc.core._errors import (
+    BlockIndexError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    MissingKeyError,
+)
+from kvfunc.shell._tables import int_array
+
+__all__ = ["TensorSet", "apply_delta", "copy_blocks", "swap_blocks", "zero_blocks"]
+
+TensorSet: TypeAlias = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
+BlockIds: TypeAlias = Sequence[int] | torch.Tensor | np.ndarray
+_Named = list[tuple[str, torch.Tensor]]
+
+
+def _named(tensors: TensorSet, what: str) -> _Named:
+    if isinstance(tensors, torch.Tensor):
+        msg = f"{what} must be a list or a mapping of tensors, not one tensor"
+        raise InvalidTypeError(msg)
+    if isinstance(tensors, Mapping):
+        items = list(tensors.items())
+    else:
+        items = [(f"{what}[{i}]", t) for i, t in enumerate(tensors)]
+    for name, t in items:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            msg = f"{name} must be a tensor with a block dimension, but got {t!r}"
+            raise InvalidTypeError(msg)
+    return items
+
+
+class _Ids:
+    """Checked block ids as one int64 host tensor, moved to each device once."""
+
+    __slots__ = ("by_device", "host", "name")
+
+    def __init__(self, ids: BlockIds, name: str) -> None:
+        self.name = name
+        self.host = torch.from_numpy(np.ascontiguousarray(int_array(ids, name)))
+        self.by_device: dict[torch.device, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        found = self.by_device.get(device)
+        if found is None:
+            found = self.by_device[device] = self.host.to(device)
+        return found
+
+    def check_range(self, tensors: _Named) -> None:
+        if not len(self.host):
+            return
+        lo, hi = int(self.host.min()), int(self.host.max())
+        for name, t in tensors:
+            n = t.shape[0]
+            if lo < 0 or hi >= n:
+                bad = lo if lo < 0 else hi
+                msg = f"{self.name} holds block id {bad}, out of range [0, {n}) for {name}"
+                raise BlockIndexError(msg)
+
+    def check_unique(self) -> None:
+        if len(torch.unique(self.host)) != len(self.host):
+            values, counts = torch.unique(self.host, return_counts=True)
+            msg = (f"{self.name} writes block {int(values[counts > 1][0])} more than once; "
+                   "the result would depend on the order of the writes")
+            raise InvalidArgumentError(msg)
+
+
+def _pair(src: _Ids, dst: _Ids) -> None:
+    if len(src) != len(dst):
+        msg = (f"{src.name} and {dst.name} must have the same length, but got "
+               f"{len(src)} and {len(dst)}")
+        raise InvalidArgumentError(msg)
+    dst.check_unique()
+
+
+def copy_blocks(tensors: TensorSet, src_block_ids: BlockIds, dst_block_ids: BlockIds) -> None:
+    """Copy blocks ``src[i] -> dst[i]`` inside every tensor (copy-on-write).
+
+    Raises:
+        InvalidTypeError: not tensors, or ids that are not 1-D integers.
+        InvalidArgumentError: lengths differ, a destination repeats.
+        BlockIndexError: an id outside a tensor's blocks.
+
+    >>> t = torch.arange(4.0).view(4, 1)
+    >>> copy_blocks([t], [1, 2], [2, 3]); t.view(-1).tolist()
+    [0.0, 1.0, 1.0, 2.0]
+    """
+    named = _named(tensors, "tensors")
+    src, dst = _Ids(src_block_ids, "src_block_ids"), _Ids(dst_block_ids, "dst_block_ids")
+    _pair(src, dst)
+    src.check_range(named)
+    dst.check_range(named)
+    _copy(named, src, dst)
+
+
+def _copy(named: _Named, src: _Ids, dst: _Ids) -> None:
+    if not len(src):
+        return
+    for _, t in named:
+        t.index_copy_(0, dst.on(t.device), t.index_select(0, src.on(t.device)))
+
+
+def _swap_pairs(src_tensors: TensorSet, dst_tensors: TensorSet
+                ) -> list[tuple[str, torch.Tensor, str, torch.Tensor]]:
+    src, dst = _named(src_tensors, "src_tensors"), _named(dst_tensors, "dst_tensors")
+    if isinstance(src_tensors, Mapping) and isinstance(dst_tensors, Mapping):
+        if set(src_tensors) != set(dst_tensors):
+            msg = (f"src_tensors and dst_tensors must have the same keys, but got "
+                   f"{sorted(src_tensors)} and {sorted(dst_tensors)}")
+            raise InvalidArgumentError(msg)
+        by_name = dict(dst)
+        dst = [(name, by_name[name]) for name, _ in src]
+    elif len(src) != len(dst):
+        msg = f"{len(src)} source tensors but {len(dst)} destination tensors"
+        raise InvalidArgumentError(msg)
+    pairs = []
+    for (sn, s), (dn, d) in zip(src, dst, strict=True):
+        if s.dtype != d.dtype:
+            raise InvalidTypeError(f"{sn} is {s.dtype} but {dn} is {d.dtype}")
+        if s.shape[1:] != d.shape[1:]:
+            msg = (f"blocks of {sn} have shape {list(s.shape[1:])} but blocks of {dn} have "
+                   f"shape {list(d.shape[1:])}")
+            raise InvalidArgumentError(msg)
+        pairs.append((sn, s, dn, d))
+    return pairs
+
+
+def swap_blocks(src_tensors: TensorSet, dst_tensors: TensorSet, src_block_ids: BlockIds,
+                dst_block_ids: BlockIds) -> None:
+    """Copy blocks ``src_tensors[k][src[i]] -> dst_tensors[k][dst[i]]``, across devices.
+
+    Swap-out is device caches to host caches, swap-in the reverse; pairs of
+    tensors are matched by key (two mappings) or by position.  Blocks keep
+    their layout, so both sides need the same dtype and block shape; the
+    pools may differ in size.  Returns once the destination is written.
+
+    Raises:
+        InvalidTypeError: mismatched dtypes, ids that are not 1-D integers.
+        InvalidArgumentError: mismatched block shapes, keys, counts or id
+            lengths, a destination repeated.
+        BlockIndexError: an id outside its side's blocks.
+
+    >>> dev, host = [torch.arange(3.0).view(3, 1)], [torch.zeros(5, 1)]
+    >>> swap_blocks(dev, host, [2, 1], [0, 4]); host[0].view(-1).tolist()
+    [2.0, 0.0, 0.0, 0.0, 1.0]
+    """
+    pairs = _swap_pairs(src_tensors, dst_tensors)
+    src, dst = _Ids(src_block_ids, "src_block_ids"), _Ids(dst_block_ids, "dst_block_ids")
+    _pair(src, dst)
+    src.check_range([(sn, s) for sn, s, _, _ in pairs])
+    dst.check_range([(dn, d) for _, _, dn, d in pairs])
+    if not len(src):
+        return
+    for _, s, _, d in pairs:
+        d.index_copy_(0, dst.on(d.device), s.index_select(0, src.on(s.device)).to(d.device))
+
+
+def zero_blocks(tensors: TensorSet, block_ids: BlockIds) -> None:
+    """Fill blocks with zeros in every tensor (for example newly allocated ones).
+
+    Raises:
+        InvalidTypeError: not tensors, or ids that are not 1-D integers.
+        BlockIndexError: an id outside a tensor's blocks.
+
+    >>> t = torch.ones(3, 2)
+    >>> zero_blocks({"k": t}, [0, 2]); t.tolist()
+    [[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
+    """
+    named = _named(tensors, "tensors")
+    ids = _Ids(block_ids, "block_ids")
+    ids.check_range(named)
+    _zero(named, ids)
+
+
+def _zero(named: _Named, ids: _Ids) -> None:
+    if len(ids):
+        for _, t in named:
+            t.index_fill_(0, ids.on(t.device), 0)
+
+
+def apply_delta(tensors_by_key: Mapping[str, TensorSet], delta: BlocksChanged, *,
+                zero_new_blocks: bool = False) -> None:
+    """Perform what a delta asks of the cache tensors: block copies, optional zeroing.
+
+    ``tensors_by_key`` maps each manager key to its cache tensors (see
+    :func:`kvfunc.shell.cache_tensors_by_key`).  With ``zero_new_blocks``
+    the blocks the transition took from the pools are zeroed first; then the
+    copies (``copied_*``) run.  Every key's operations are checked before
+    any tensor is written.
+
+    Raises:
+        MissingKeyError: the delta names a key without tensors.
+        InvalidTypeError, InvalidArgumentError, BlockIndexError: as
+            :func:`copy_blocks` and :func:`zero_blocks`.
+
+    >>> t = torch.ones(4, 2)
+    >>> d = BlocksChanged(appended_keys=("full",), appended_request_ids=("a",),
+    ...                   appended_block_ids=(3,), copied_keys=("full",),
+    ...                   copied_src_block_ids=(3,), copied_dst_block_ids=(1,))
+    >>> apply_delta({"full": [t]}, d, zero_new_blocks=True); t[:, 0].tolist()
+    [1.0, 0.0, 1.0, 0.0]
+    """
+    if not isinstance(delta, BlocksChanged):
+        raise InvalidTypeError(f"expected a BlocksChanged delta, got {type(delta).__name__}")
+    copies: dict[str, tuple[list[int], list[int]]] = {}
+    for key, s, d in zip(delta.copied_keys, delta.copied_src_block_ids,
+                         delta.copied_dst_block_ids, strict=True):
+        srcs, dsts = copies.setdefault(key, ([], []))
+        srcs.append(s)
+        dsts.append(d)
+    zeros: dict[str, list[int]] = {}
+    if zero_new_blocks:
+        for key, block in zip(delta.appended_keys, delta.appended_block_ids, strict=True):
+            if block:
+                zeros.setdefault(key, []).append(block)
+    plan: list[tuple[_Named, _Ids, _Ids | None]] = []
+    for key in dict.fromkeys([*zeros, *copies]):
+        if key not in tensors_by_key:
+            msg = f"the delta names manager_key={key!r}, which has no tensors"
+            raise MissingKeyError(msg)
+        named = _named(tensors_by_key[key], f"tensors_by_key[{key!r}]")
+        if key in zeros:
+            ids = _Ids(zeros[key], f"new blocks of {key!r}")
+            ids.check_range(named)
+            plan.append((named, ids, None))
+        if key in copies:
+            src = _Ids(copies[key][0], f"copy sources of {key!r}")
+            dst = _Ids(copies[key][1], f"copy destinations of {key!r}")
+            _pair(src, dst)
+            src.check_range(named)
+            dst.check_range(named)
+            plan.append((named, src, dst))
+    for named, first, second in plan:
+        if second is None:
+            _zero(named, first)
+        else:
+            _copy(named, first, second)
