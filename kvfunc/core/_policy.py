@@ -95,8 +95,23 @@ def _single_value(attn_type: str, what: str, values: set[Any]) -> Any:
     return next(iter(values))
 
 
+class _KeepsEveryToken:
+    """Shared by policies that never drop tokens (no window, nothing skipped)."""
+
+    __slots__ = ()
+
+    @property
+    def window(self) -> int | None:
+        """No window: nothing is ever skipped."""
+        return None
+
+    def num_skipped_tokens(self, computed_tokens: int) -> int:
+        """Every token stays needed: always 0."""
+        return 0
+
+
 @attrs.frozen(slots=True)
-class FullAttention:
+class FullAttention(_KeepsEveryToken):
     """Full attention: one block per ``block_size`` tokens, kept to the end.
 
     ``compress_ratio`` only matters for sizing and slot mapping; block counts
@@ -121,15 +136,6 @@ class FullAttention:
         _check_positive_int("FullAttention", "num_blocks", self.num_blocks)
         _check_positive_int("FullAttention", "block_size", self.block_size)
         _check_positive_int("FullAttention", "compress_ratio", self.compress_ratio)
-
-    @property
-    def window(self) -> int | None:
-        """No sliding window: nothing is ever skipped."""
-        return None
-
-    def num_skipped_tokens(self, computed_tokens: int) -> int:
-        """Full attention never drops tokens: always 0."""
-        return 0
 
     def plan_blocks(self, num_held: int, num_tokens: int) -> tuple[int, int]:
         """``(null entries, new blocks)`` to cover ``num_tokens`` tokens."""
@@ -213,7 +219,7 @@ class SlidingWindow:
 
 
 @attrs.frozen(slots=True)
-class Mamba:
+class Mamba(_KeepsEveryToken):
     """A recurrent (Mamba-style) state: one block, topped up to ``1 + next_n``.
 
     The first allocation takes one state block whatever the token count; any
@@ -237,15 +243,6 @@ class Mamba:
         _check_positive_int("Mamba", "num_blocks", self.num_blocks)
         _check_positive_int("Mamba", "block_size", self.block_size)
         _check_non_negative_int("Mamba", "next_n", self.next_n)
-
-    @property
-    def window(self) -> int | None:
-        """No window: a state block is never skipped."""
-        return None
-
-    def num_skipped_tokens(self, computed_tokens: int) -> int:
-        """A recurrent state never drops tokens: always 0."""
-        return 0
 
     def plan_blocks(self, num_held: int, num_tokens: int) -> tuple[int, int]:
         """One block at first, then top up to ``1 + next_n``."""

@@ -25,7 +25,7 @@ free and never held.  :func:`check_invariants` checks it and more.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NoReturn, TypeVar
 
 import attrs
@@ -210,11 +210,7 @@ class KVState:
 
     def group(self, key: str) -> GroupState:
         """The group of ``key``; unknown keys raise :class:`UnknownRequestError`."""
-        for g in self.groups:
-            if g.key == key:
-                return g
-        msg = f"unknown manager_key {key!r}; known keys: {list(self.manager_keys)}"
-        raise UnknownRequestError(msg)
+        return find_group(self.groups, key)
 
     def request_ids(self) -> tuple[RequestId, ...]:
         """Every request registered in any group, in first-registration order."""
@@ -228,6 +224,20 @@ class KVState:
                          for g in self.groups)
         return (f"KVState(max_model_len={self.max_model_len}, "
                 f"groups={self.manager_keys!r}, usage={usage!r})")
+
+
+_G = TypeVar("_G")
+
+
+def find_group(groups: Iterable[_G], key: str) -> _G:
+    """The group whose ``key`` is ``key`` (states and transients alike)."""
+    groups = tuple(groups)
+    for g in groups:
+        if g.key == key:  # type: ignore[attr-defined]
+            return g
+    known = [g.key for g in groups]  # type: ignore[attr-defined]
+    msg = f"unknown manager_key {key!r}; known keys: {known}"
+    raise UnknownRequestError(msg)
 
 
 def group_cache_entries(

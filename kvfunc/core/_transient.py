@@ -20,8 +20,15 @@ from typing import Any
 
 from pyrsistent import PVector
 
-from kvfunc.core._errors import UnknownRequestError
-from kvfunc.core._state import FREE_CHUNK, BlockId, FrozenDict, GroupState, KVState, RequestId
+from kvfunc.core._state import (
+    FREE_CHUNK,
+    BlockId,
+    FrozenDict,
+    GroupState,
+    KVState,
+    RequestId,
+    find_group,
+)
 
 __all__ = ["GroupTransient", "Transient"]
 
@@ -165,11 +172,7 @@ class Transient:
 
     def group(self, key: str) -> GroupTransient:
         """The working copy of ``key``'s group."""
-        for g in self.groups:
-            if g.key == key:
-                return g
-        msg = f"unknown manager_key {key!r}; known keys: {[g.key for g in self.groups]}"
-        raise UnknownRequestError(msg)
+        return find_group(self.groups, key)
 
     def freeze(self) -> KVState:
         """The current state as a value (the input state when nothing changed)."""

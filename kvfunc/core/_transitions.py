@@ -25,8 +25,8 @@ from itertools import repeat
 import attrs
 
 from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
-from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, UnknownRequestError
-from kvfunc.core._state import NULL_BLOCK, BlockId, KVState, RequestId
+from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
+from kvfunc.core._state import NULL_BLOCK, BlockId, KVState, RequestId, find_group
 from kvfunc.core._transient import GroupTransient, Transient
 
 __all__ = [
@@ -338,11 +338,7 @@ def num_free_blocks(state: KVState, manager_key: str) -> int:
     >>> num_free_blocks(KVState.create({"f": FullAttention(num_blocks=5, block_size=4)}, 8), "f")
     4
     """
-    for g in state.groups:
-        if g.key == manager_key:
-            return g.num_free
-    msg = f"unknown manager_key {manager_key!r}; known keys: {list(state.manager_keys)}"
-    raise UnknownRequestError(msg)
+    return find_group(state.groups, manager_key).num_free
 
 
 def format_usage(state: KVState) -> str:
