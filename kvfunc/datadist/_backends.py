@@ -1,0 +1,345 @@
+"""Data transports behind one small interface: torch.distributed point-to-point.
+
+A transfer moves, for each tensor ``i`` of a cache, the rows ``rows`` (blocks
+or batch entries) of the sender's tensor into the rows ``rows'`` (paired by
+position) of the receiver's.  Both sides build their half from an
+:class:`Endpoint` (one per link):
+
+* the sender's :class:`Outgoing` has a JSON ``descriptor`` (what the
+  receiver needs to know) and ``send(indices)`` starts moving tensors;
+* the receiver's :class:`Incoming` is built from that descriptor and
+  ``receive(indices, timeout_s)`` returns once those tensors' rows are in
+  place.
+
+The receiver always lands data in a staging buffer first and copies it into
+its rows only after it arrived whole, so a transfer that times out never
+writes a destination block late; the staging buffers of an abandoned
+transfer are kept until the link closes (a late arrival lands there).
+
+:class:`TorchEndpoint` sends over one process group per link
+(``gloo`` for host memory, ``nccl`` on CUDA, ``hccl`` on Ascend NPUs).  A
+transfer is cut into messages of whole tensors of one layer, up to
+``CHUNK_BYTES`` each (a message costs a handshake on gloo, so fewer is
+faster; layers stay separate so a layer-wise push can send each as soon as
+it is computed).  The sender gathers a message's rows with one
+``index_select`` per tensor into a pooled buffer; the receiver copies them
+into its rows with one row assignment per tensor.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import datetime
+import itertools
+import math
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kvfunc.datadist._errors import (
+    FeatureNotEnabledError,
+    InvalidParamError,
+    TransferTimeoutError,
+)
+
+__all__ = ["BufferPool", "Endpoint", "Incoming", "Outgoing", "TorchEndpoint", "chunks_of",
+           "consecutive", "create_process_group", "gather_rows", "rows_as_bytes"]
+
+TAG_SPACE = 1 << 30
+CHUNK_BYTES = 64 << 20  # one message carries up to this much of one layer
+
+
+def consecutive(rows: Sequence[int]) -> bool:
+    """Whether ``rows`` is one run ``r, r+1, ...`` (then a slice is a view, not a copy).
+
+    >>> consecutive([4, 5, 6]), consecutive([4, 6]), consecutive([])
+    (True, False, False)
+    """
+    return bool(rows) and rows[-1] - rows[0] == len(rows) - 1 and \
+        all(b - a == 1 for a, b in itertools.pairwise(rows))
+
+
+class BufferPool:
+    """Staging buffers kept for reuse: a fresh large buffer costs a page fault per page.
+
+    >>> pool = BufferPool()
+    >>> a = pool.take((2, 3), torch.float32, torch.device("cpu")); pool.give(a)
+    >>> pool.take((2, 3), torch.float32, torch.device("cpu")) is a
+    True
+    """
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self.idle: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self.idle_bytes = 0
+        self.lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+             ) -> torch.Tensor:
+        """An uninitialised buffer, reused when one of that kind is idle."""
+        with self.lock:
+            found = self.idle.get((shape, dtype, device))
+            if found:
+                buf = found.pop()
+                self.idle_bytes -= buf.numel() * buf.element_size()
+                return buf
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Return a buffer nothing will read or write any more."""
+        nbytes = buf.numel() * buf.element_size()
+        with self.lock:
+            if self.idle_bytes + nbytes <= self.max_bytes:
+                self.idle.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
+                self.idle_bytes += nbytes
+
+
+def rows_as_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor as a ``[rows, row_bytes]`` uint8 numpy view (shared memory).
+
+    >>> rows_as_bytes(torch.zeros(3, 2, dtype=torch.float16)).shape
+    (3, 4)
+    """
+    return tensor.view(tensor.shape[0], -1).view(torch.uint8).numpy()
+
+
+def gather_rows(tensor: torch.Tensor, rows: Sequence[int], index: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensor[rows]`` contiguous: a slice when ``rows`` is one run, else one gather."""
+    if index is None:
+        return tensor[rows[0]:rows[0] + len(rows)]
+    if out is None:
+        return tensor.index_select(0, index)
+    return torch.index_select(tensor, 0, index, out=out)
+
+
+class Outgoing(abc.ABC):
+    """The sending half of one transfer."""
+
+    descriptor: dict[str, Any]
+
+    @abc.abstractmethod
+    def send(self, indices: Sequence[int]) -> None:
+        """Start sending the rows of tensors ``indices``."""
+
+    @abc.abstractmethod
+    def wait(self, timeout_s: float) -> None:
+        """Return when everything sent has left; :class:`TransferTimeoutError` otherwise."""
+
+
+class Incoming(abc.ABC):
+    """The receiving half of one transfer: staging, then one copy into the rows."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], rows: Sequence[int],
+                 staging_device: torch.device, buffers: BufferPool | None = None) -> None:
+        self.tensors = list(tensors)
+        self.rows = list(rows)
+        self.index = None if consecutive(self.rows) else torch.tensor(self.rows)
+        first = self.tensors[0]
+        shape = (len(self.tensors), len(self.rows), *first.shape[1:])
+        self.buffers = buffers
+        self.buffer = buffers.take(shape, first.dtype, staging_device) if buffers else \
+            torch.empty(shape, dtype=first.dtype, device=staging_device)
+        self.staging = list(self.buffer)
+        self.placed: set[int] = set()
+
+    def place(self, i: int) -> None:
+        """Copy tensor ``i``'s staged rows into its destination rows."""
+        tensor, staged = self.tensors[i], self.staging[i]
+        if self.index is None:
+            tensor[self.rows[0]:self.rows[0] + len(self.rows)].copy_(staged)
+        elif tensor.device.type == "cpu" and tensor.is_contiguous() and staged.is_contiguous():
+            # numpy's row assignment is a memcpy per row: 4-8x torch's CPU index_copy_
+            rows_as_bytes(tensor)[self.index.numpy()] = rows_as_bytes(staged)
+        else:
+            tensor.index_copy_(0, self.index.to(tensor.device), staged.to(tensor.device))
+        self.placed.add(i)
+        if self.buffers is not None and len(self.placed) == len(self.tensors):
+            self.buffers.give(self.buffer)  # every tensor placed: nothing lands here again
+
+    @abc.abstractmethod
+    def receive(self, indices: Sequence[int], timeout_s: float) -> None:
+        """Return once tensors ``indices`` are in their rows, or raise
+        :class:`TransferTimeoutError` (then nothing more is written to them)."""
+
+    @abc.abstractmethod
+    def abandon(self) -> None:
+        """Give up: keep what a late arrival could still write to until the link closes."""
+
+
+class Endpoint(abc.ABC):
+    """One link's transport."""
+
+    @abc.abstractmethod
+    def outgoing(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
+                 layers: Sequence[Sequence[int]]) -> Outgoing:
+        """The sending half of transfer ``tag``; ``layers`` are the units ``send`` gets."""
+
+    @abc.abstractmethod
+    def incoming(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
+                 layers: Sequence[Sequence[int]], descriptor: dict[str, Any]) -> Incoming:
+        """The receiving half of transfer ``tag``, from the sender's descriptor."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Tear the transport down (pending operations fail)."""
+
+
+def create_process_group(kind: str, store: Any, rank: int, timeout_s: float) -> Any:
+    """A two-rank process group of ``kind`` over ``store`` (rank 0 listens, rank 1 links).
+
+    Raises:
+        FeatureNotEnabledError: ``kind`` is not available in this torch build.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if kind == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    if kind == "nccl":
+        if not dist.is_nccl_available():
+            raise FeatureNotEnabledError("the nccl backend is not available in this torch")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    if kind == "hccl":
+        try:
+            from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+        except ImportError as exc:
+            raise FeatureNotEnabledError(f"the hccl backend needs torch_npu: {exc}") from None
+        options = ProcessGroupHCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupHCCL(store, rank, 2, options)
+    raise FeatureNotEnabledError(f"unknown torch.distributed backend {kind!r}")
+
+
+def _wait(work: Any, remaining_s: float, what: str, device: torch.device) -> None:
+    try:
+        work.wait(datetime.timedelta(seconds=max(remaining_s, 0.001)))
+    except RuntimeError as exc:
+        raise TransferTimeoutError(f"{what} did not complete: {str(exc).splitlines()[0]}") \
+            from None
+    if device.type != "cpu":  # nccl/hccl: wait() orders the stream; the host waits here
+        getattr(torch, device.type).synchronize(device)
+
+
+def chunks_of(layers: Sequence[Sequence[int]], tensor_nbytes: int,
+              chunk_nbytes: int = CHUNK_BYTES) -> list[list[int]]:
+    """The messages of a transfer: each layer's tensors in runs of at most ``chunk_nbytes``.
+
+    Fewer, larger messages cost fewer handshakes; several per transfer keep
+    gathering, the wire and scattering overlapped.
+
+    >>> chunks_of([[0, 1, 2, 3, 4]], 6 << 20, chunk_nbytes=16 << 20)
+    [[0, 1], [2, 3], [4]]
+    >>> chunks_of([[0, 1], [2, 3]], 1 << 20)
+    [[0, 1], [2, 3]]
+    """
+    per = max(1, chunk_nbytes // max(tensor_nbytes, 1))
+    return [list(layer[i:i + per]) for layer in layers for i in range(0, len(layer), per)]
+
+
+class _TorchOutgoing(Outgoing):
+    def __init__(self, endpoint: TorchEndpoint, tensors: Sequence[torch.Tensor],
+                 rows: Sequence[int], tag: int, layers: Sequence[Sequence[int]]) -> None:
+        self.endpoint, self.tensors, self.rows, self.tag = endpoint, list(tensors), list(rows), tag
+        self.index = None if consecutive(self.rows) else torch.tensor(self.rows)
+        self.descriptor = {}
+        first = self.tensors[0]
+        self.shape = (len(self.rows), *first.shape[1:])
+        self.chunks = chunks_of(layers, math.prod(self.shape) * first.element_size())
+        self.released: set[int] = set()
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+
+    def send(self, indices: Sequence[int]) -> None:
+        self.released.update(indices)
+        while self.chunks and self.released.issuperset(self.chunks[0]):
+            self._send_chunk(self.chunks.pop(0))
+
+    def _send_chunk(self, chunk: list[int]) -> None:
+        ep, first = self.endpoint, self.tensors[chunk[0]]
+        buf = ep.buffers.take((len(chunk), *self.shape), first.dtype, ep.wire_device)
+        for j, i in enumerate(chunk):
+            tensor = self.tensors[i]
+            if self.index is None:
+                buf[j].copy_(gather_rows(tensor, self.rows, None))
+            elif tensor.device == ep.wire_device:
+                gather_rows(tensor, self.rows, self.index, buf[j])
+            else:
+                buf[j].copy_(gather_rows(tensor, self.rows, self.index.to(tensor.device)))
+        self.pending.append((ep.group.send([buf], ep.peer, (self.tag + chunk[0]) % TAG_SPACE),
+                             buf))
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            for work, _ in self.pending:
+                _wait(work, deadline - time.monotonic(), "sending", self.endpoint.wire_device)
+        except TransferTimeoutError:
+            self.endpoint.abandoned.append(self.pending)
+            raise
+        for _, buf in self.pending:
+            self.endpoint.buffers.give(buf)
+        self.pending = []
+
+
+class _TorchIncoming(Incoming):
+    def __init__(self, endpoint: TorchEndpoint, tensors: Sequence[torch.Tensor],
+                 rows: Sequence[int], tag: int, layers: Sequence[Sequence[int]]) -> None:
+        super().__init__(tensors, rows, endpoint.wire_device, endpoint.buffers)
+        self.endpoint = endpoint
+        tensor_nbytes = self.staging[0].numel() * self.buffer.element_size()
+        self.works: dict[int, Any] = {}  # tensor index -> the receive that brings it
+        self.arrived: set[int] = set()
+        for chunk in chunks_of(layers, tensor_nbytes):
+            if chunk != list(range(chunk[0], chunk[-1] + 1)):
+                raise InvalidParamError(f"layer tensors {chunk} are not consecutive")
+            work = endpoint.group.recv([self.buffer[chunk[0]:chunk[-1] + 1]], endpoint.peer,
+                                       (tag + chunk[0]) % TAG_SPACE)
+            self.works.update(dict.fromkeys(chunk, work))
+
+    def receive(self, indices: Sequence[int], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for work in dict.fromkeys(self.works[i] for i in indices):
+            if id(work) not in self.arrived:  # a gloo wait() is not idempotent
+                _wait(work, deadline - time.monotonic(), "receiving", self.endpoint.wire_device)
+                self.arrived.add(id(work))
+        for i in indices:
+            self.place(i)
+
+    def abandon(self) -> None:
+        self.endpoint.abandoned.append((self.works, self.buffer))
+
+
+class TorchEndpoint(Endpoint):
+    """A link over a two-rank ``torch.distributed`` process group.
+
+    Gloo moves host tensors, so device rows are staged through host memory;
+    nccl and hccl move device tensors directly.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, kind: str, rank: int,
+                 device: torch.device) -> None:
+        self.group, self.kind, self.peer = group, kind, 1 - rank
+        self.wire_device = torch.device("cpu") if kind == "gloo" else device
+        self.abandoned: list[Any] = []
+        self.buffers = BufferPool()
+
+    def outgoing(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
+                 layers: Sequence[Sequence[int]]) -> Outgoing:
+        return _TorchOutgoing(self, tensors, rows, tag, layers)
+
+    def incoming(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
+                 layers: Sequence[Sequence[int]], descriptor: dict[str, Any]) -> Incoming:
+        return _TorchIncoming(self, tensors, rows, tag, layers)
+
+    def close(self) -> None:
+        abort = getattr(self.group, "abort", None)
+        if abort is not None and self.abandoned:
+            with contextlib.suppress(RuntimeError):  # wake pending receives now
+                abort()
+        self.abandoned = []

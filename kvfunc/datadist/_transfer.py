@@ -1,0 +1,320 @@
+"""Pulls and pushes over a link: the request, the checks, the data, the release.
+
+Theory of operation
+-------------------
+The side that receives data always checks what it will write before any
+byte moves: a decoder checks its own destination blocks before it asks, a
+prompt cluster checks the key and the source blocks a decoder names, a
+decoder checks the cache and blocks a pushing prompt cluster names.  A
+transfer id ``tid`` (with one transport tag per tensor) keys the later
+messages of a request::
+
+    pull (decoder D asks prompt P)          push (P sends to D, layer by layer)
+    D -> P  {op: pull, tid, key, rows}       P -> D  {op: push, tid, cache, rows}
+    P -> D  x/tid/accept {ok, sender}        D -> P  x/tid/accept {ok}
+    P sends every tensor; D receives         for each layer i: P waits for its compute,
+    D -> P  x/tid/ack {ok}                     sends it, then x/tid/ready/i {ok}
+    P releases the key on ok, unpins,        D -> P  x/tid/done {ok}
+    P -> D  x/tid/fin {ok}
+
+Both caches are pinned for the transfer (see :mod:`._registry`), so a
+concurrent ``deallocate_cache`` defers the release to the end.  A timeout
+or a vanished peer in the data phase raises ``LLM_WAIT_PROCESS_TIMEOUT``
+and marks the link broken; a check that fails on the peer comes back with
+the peer's status code and leaves the link usable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvfunc.core._errors import LLMError
+from kvfunc.datadist._errors import (
+    InvalidParamError,
+    LinkFailedError,
+    TransferTimeoutError,
+)
+from kvfunc.datadist._link import Link, log
+from kvfunc.datadist._pool import Cache
+from kvfunc.datadist._protocol import (
+    error_reply,
+    get_bool,
+    get_int,
+    get_ints,
+    key_from_json,
+    key_to_json,
+    raise_if_error,
+)
+from kvfunc.datadist._types import BlocksCacheKey, CacheDesc, CacheKey
+
+if TYPE_CHECKING:
+    from kvfunc.datadist._cache_manager import CacheManager
+
+__all__ = ["PushTarget", "check_compatible", "dispatch", "layers_of", "pull", "push"]
+
+LayerWait = Callable[[int], None]
+
+
+def layers_of(num_tensors: int, tensor_num_per_layer: int) -> list[list[int]]:
+    """Tensor indices of each layer: ``tensor_num_per_layer`` consecutive tensors each.
+
+    >>> layers_of(6, 2)
+    [[0, 1], [2, 3], [4, 5]]
+    """
+    if type(tensor_num_per_layer) is not int or tensor_num_per_layer <= 0 or \
+            num_tensors % tensor_num_per_layer:
+        raise InvalidParamError(f"tensor_num_per_layer={tensor_num_per_layer!r} must be a "
+                                f"positive divisor of num_tensors={num_tensors}")
+    t = tensor_num_per_layer
+    return [list(range(i, i + t)) for i in range(0, num_tensors, t)]
+
+
+def check_compatible(local: CacheDesc, peer: CacheDesc, what: str) -> None:
+    """Both sides' rows must have the same tensors, row shape and dtype."""
+    if (local.num_tensors, local.row_shape, local.data_type) != \
+            (peer.num_tensors, peer.row_shape, peer.data_type):
+        raise InvalidParamError(
+            f"{what}: {peer.num_tensors} x {list(peer.row_shape)} {peer.data_type.name} rows "
+            f"do not match {local.num_tensors} x {list(local.row_shape)} "
+            f"{local.data_type.name}")
+
+
+class _Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return max(self.end - time.monotonic(), 0.0)
+
+
+def _broken(link: Link, exc: LLMError, what: str) -> TransferTimeoutError:
+    link.mark_broken(f"{what}: {exc}")
+    return TransferTimeoutError(f"{what} with cluster {link.peer_cluster_id} did not finish "
+                                f"in time: {exc}")
+
+
+def _put_quietly(link: Link, key: str, message: dict[str, Any]) -> None:
+    with contextlib.suppress(LLMError):  # the peer is gone; its side ends by its timeout
+        link.channel.put(key, message)
+
+
+# -- pull -------------------------------------------------------------------------------
+def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst: Cache,
+         dst_rows: list[int], src_rows: list[int] | None, timeout_s: float) -> None:
+    """Fetch the rows ``key`` names (and ``src_rows`` of a blocks cache) into ``dst_rows``."""
+    link.check_usable()
+    deadline = _Deadline(timeout_s)
+    desc = dst.cache_desc
+    manager._pin(dst.cache_id)
+    try:
+        try:
+            tid = link.new_tid(desc.num_tensors)
+            link.post({"op": "pull", "tid": tid, "key": key_to_json(key), "src_rows": src_rows,
+                       "n_rows": len(dst_rows), "desc": desc.to_json()})
+            accept = link.channel.take(f"x/{tid}/accept", deadline.left())
+        except (TransferTimeoutError, LinkFailedError) as exc:
+            raise _broken(link, exc, "pull") from None
+        descriptor = raise_if_error(accept).get("sender")
+        if not isinstance(descriptor, dict):
+            raise InvalidParamError("the peer's accept has no sender descriptor")
+        incoming = link.transport.incoming(dst.tensors, dst_rows, tid,
+                                           [list(range(desc.num_tensors))], descriptor)
+        try:
+            for i in range(desc.num_tensors):  # place tensor i while later ones arrive
+                incoming.receive([i], deadline.left())
+        except (TransferTimeoutError, LinkFailedError) as exc:
+            incoming.abandon()
+            _put_quietly(link, f"x/{tid}/ack", {"ok": False})
+            raise _broken(link, exc, "pull") from None
+        try:  # returns once the prompt side released the key and its pin
+            link.channel.put(f"x/{tid}/ack", {"ok": True})
+            raise_if_error(link.channel.take(f"x/{tid}/fin", deadline.left()))
+        except (TransferTimeoutError, LinkFailedError) as exc:
+            raise _broken(link, exc, "pull") from None
+    finally:
+        manager._unpin(dst.cache_id)
+
+
+def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:
+    tid = get_int(message, "tid")
+    timeout_s = manager._timeout_s
+    pinned: Cache | None = None
+    try:
+        key = key_from_json(message.get("key"))
+        peer_desc = CacheDesc.from_json(message.get("desc") or {})
+        n_rows = get_int(message, "n_rows", 1, peer_desc.num_rows)
+        pinned, batch_index = manager._pin_key(key)
+        local = pinned.cache_desc
+        check_compatible(local, peer_desc, f"pull of {key!r}")
+        if isinstance(key, BlocksCacheKey):
+            src_rows = get_ints(message, "src_rows", local.num_rows)
+        elif message.get("src_rows") is not None:
+            raise InvalidParamError(f"{key!r} names one batch entry; src_rows must be null")
+        else:
+            src_rows = [batch_index]
+        if len(src_rows) != n_rows:
+            raise InvalidParamError(f"{len(src_rows)} source rows for {n_rows} destination rows")
+        outgoing = link.transport.outgoing(pinned.tensors, src_rows, tid,
+                                           [list(range(local.num_tensors))])
+    except LLMError as exc:
+        if pinned is not None:
+            manager._unpin(pinned.cache_id)
+        _put_quietly(link, f"x/{tid}/accept", error_reply(exc))
+        return
+    acked = False
+    try:
+        link.channel.put(f"x/{tid}/accept", {"ok": True, "sender": outgoing.descriptor})
+        deadline = _Deadline(timeout_s)
+        outgoing.send(range(local.num_tensors))
+        outgoing.wait(deadline.left())
+        acked = get_bool(link.channel.take(f"x/{tid}/ack", deadline.left()), "ok")
+    except (TransferTimeoutError, LinkFailedError) as exc:
+        link.mark_broken(f"serving a pull: {exc}")
+    except LLMError as exc:
+        log.warning("pull %d from cluster %d failed: %s", tid, link.peer_cluster_id, exc)
+    finally:
+        if acked and isinstance(key, CacheKey):
+            manager._release_key(key)
+        manager._unpin(pinned.cache_id)
+    if acked:
+        _put_quietly(link, f"x/{tid}/fin", {"ok": True})
+
+
+# -- push -------------------------------------------------------------------------------
+@attrs.frozen
+class PushTarget:
+    """One destination of a push: a cache of a linked cluster and its rows."""
+
+    link: Link
+    cache_id: int
+    rows: tuple[int, ...]
+    blocks: bool
+
+
+def push(manager: CacheManager, targets: Sequence[PushTarget], src: Cache,
+         src_rows: list[int], layers: list[list[int]], wait_layer: LayerWait | None,
+         timeout_s: float) -> None:
+    """Send ``src_rows`` of ``src`` to every target, layer by layer.
+
+    ``wait_layer(i)`` returns when layer ``i`` may be sent (its compute is
+    done) and raises to abort; the targets are asked first, so their checks
+    overlap the compute of layer 0.
+    """
+    manager._pin(src.cache_id)
+    sessions: list[tuple[PushTarget, int, Any]] = []
+    try:
+        for target in targets:
+            target.link.check_usable()
+            try:
+                tid = target.link.new_tid(src.cache_desc.num_tensors)
+                outgoing = target.link.transport.outgoing(src.tensors, src_rows, tid, layers)
+                target.link.post({"op": "push", "tid": tid, "cache_id": target.cache_id,
+                                  "rows": list(target.rows), "blocks": target.blocks,
+                                  "desc": src.cache_desc.to_json(), "layers": layers,
+                                  "sender": outgoing.descriptor})
+            except (TransferTimeoutError, LinkFailedError) as exc:
+                raise _broken(target.link, exc, "push") from None
+            sessions.append((target, tid, outgoing))
+        deadline = _Deadline(timeout_s)
+        for target, tid, _ in sessions:
+            try:
+                accept = target.link.channel.take(f"x/{tid}/accept", deadline.left())
+            except (TransferTimeoutError, LinkFailedError) as exc:
+                raise _broken(target.link, exc, "push") from None
+            raise_if_error(accept)
+        for i, layer in enumerate(layers):
+            if wait_layer is not None:
+                try:
+                    wait_layer(i)
+                except LLMError as exc:
+                    for target, tid, _ in sessions:
+                        _put_quietly(target.link, f"x/{tid}/ready/{i}", error_reply(exc))
+                    raise
+            for target, tid, outgoing in sessions:
+                outgoing.send(layer)
+                _ready(target, tid, i)
+        deadline = _Deadline(timeout_s)
+        for target, tid, outgoing in sessions:
+            try:
+                outgoing.wait(deadline.left())
+                done = target.link.channel.take(f"x/{tid}/done", deadline.left())
+            except (TransferTimeoutError, LinkFailedError) as exc:
+                raise _broken(target.link, exc, "push") from None
+            raise_if_error(done)
+    finally:
+        manager._unpin(src.cache_id)
+
+
+def _ready(target: PushTarget, tid: int, layer: int) -> None:
+    try:
+        target.link.channel.put(f"x/{tid}/ready/{layer}", {"ok": True})
+    except LinkFailedError as exc:
+        raise _broken(target.link, exc, "push") from None
+
+
+def _layers(message: dict[str, Any], num_tensors: int) -> list[list[int]]:
+    layers = message.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise InvalidParamError("field 'layers' must be a non-empty list")
+    out = [get_ints({"layer": layer}, "layer", num_tensors) for layer in layers]
+    if sorted(i for layer in out for i in layer) != list(range(num_tensors)):
+        raise InvalidParamError(f"layers {out} must name each of {num_tensors} tensors once")
+    return out
+
+
+def _serve_push(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:
+    tid = get_int(message, "tid")
+    timeout_s = manager._timeout_s
+    pinned: Cache | None = None
+    try:
+        peer_desc = CacheDesc.from_json(message.get("desc") or {})
+        pinned = manager._pin_id(get_int(message, "cache_id"))
+        local = pinned.cache_desc
+        if get_bool(message, "blocks") != pinned.is_blocks_cache:
+            raise InvalidParamError(f"cache {pinned.cache_id} is "
+                                    f"{'' if pinned.is_blocks_cache else 'not '}a blocks cache")
+        check_compatible(local, peer_desc, f"push into cache {pinned.cache_id}")
+        rows = get_ints(message, "rows", local.num_rows)
+        if not rows or len(set(rows)) != len(rows):
+            raise InvalidParamError(f"destination rows {rows} must be non-empty and distinct")
+        layers = _layers(message, local.num_tensors)
+        descriptor = message.get("sender")
+        if not isinstance(descriptor, dict):
+            raise InvalidParamError("the push request has no sender descriptor")
+        incoming = link.transport.incoming(pinned.tensors, rows, tid, layers, descriptor)
+    except LLMError as exc:
+        if pinned is not None:
+            manager._unpin(pinned.cache_id)
+        _put_quietly(link, f"x/{tid}/accept", error_reply(exc))
+        return
+    try:
+        link.channel.put(f"x/{tid}/accept", {"ok": True})
+        for i, layer in enumerate(layers):
+            raise_if_error(link.channel.take(f"x/{tid}/ready/{i}", timeout_s))
+            incoming.receive(layer, timeout_s)
+        link.channel.put(f"x/{tid}/done", {"ok": True})
+    except (TransferTimeoutError, LinkFailedError) as exc:
+        incoming.abandon()
+        link.mark_broken(f"receiving a push: {exc}")
+        _put_quietly(link, f"x/{tid}/done", error_reply(exc))
+    except LLMError as exc:  # the sender aborted: its layer wait failed
+        incoming.abandon()
+        log.info("push %d from cluster %d aborted: %s", tid, link.peer_cluster_id, exc)
+    finally:
+        manager._unpin(pinned.cache_id)
+
+
+def dispatch(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:
+    """Serve one request that arrived on ``link``."""
+    op = message.get("op")
+    if op == "pull":
+        _serve_pull(manager, link, message)
+    elif op == "push":
+        _serve_push(manager, link, message)
+    else:
+        log.warning("unknown request %r from cluster %d", op, link.peer_cluster_id)

@@ -1,0 +1,22 @@
+"""Smoke test of ``benchmarks/bench_datadist.py --quick`` (no timing is ever asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_datadist.py"
+
+
+def test_bench_datadist_quick_runs_and_checks_every_block(tmp_path: Path) -> None:
+    """``--quick`` exits 0 after checking every pulled and pushed block, and reports ratios."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert 0 == proc.returncode, proc.stdout + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (True, 8.0) == (result["quick"], result["mib"])
+    assert {"ratio pull/raw throughput", "ratio total/(compute + 1 layer)"} == {
+        line.strip().split("  ")[0] for line in proc.stdout.splitlines() if "ratio" in line}
