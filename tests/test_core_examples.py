@@ -232,3 +232,11 @@ def test_from_cache_info_groups_like_the_seed() -> None:
     assert kf.Mamba(num_blocks=5, block_size=1, next_n=1) == s.groups[1].policy
     with pytest.raises(kf.InvalidArgumentError, match="Unknown manager_key 'Mamba'"):
         kf.KVState.from_cache_info(info, {"SlidingWindow": 9, "FullAttention": 33}, 4096)
+
+
+def test_a_batch_names_each_request_once() -> None:
+    """A request id repeated in one batch is a typed error and the input state is kept."""
+    s = swa(num_blocks=2, block_size=1, window=0)
+    with pytest.raises(kf.InvalidArgumentError, match="appears twice in one batch"):
+        kf.allocate_batch(s, [kf.SlotRequest(0, 0, 0, 1), kf.SlotRequest(0, 0, 0, 0)])
+    assert {"swa": ()} == ids(s, 0)

@@ -9,6 +9,7 @@ from kvfunc.testing import (
     Allocate,
     Batch,
     NaiveAllocator,
+    Operation,
     apply_operation,
     apply_to_model,
     group_configs,
@@ -18,11 +19,19 @@ from kvfunc.testing import (
     run_program,
     slot_requests,
     state_snapshot,
+    token_budget,
 )
 
-# A fresh state with a program over its own manager keys.
-states_and_programs = kv_states().flatmap(
-    lambda s: st.tuples(st.just(s), programs(s.manager_keys)))
+StateAndProgram = tuple[kf.KVState, tuple[Operation, ...]]
+
+
+def with_program(state: kf.KVState) -> st.SearchStrategy[StateAndProgram]:
+    """``(state, program)``: a program over the state's keys, prompts sized to its pools."""
+    return st.tuples(st.just(state),
+                     programs(state.manager_keys, max_tokens=token_budget(state)))
+
+
+states_and_programs = kv_states().flatmap(with_program)
 
 
 def rebuilt(state: kf.KVState) -> kf.KVState:
@@ -39,7 +48,7 @@ def held_blocks(group: kf.GroupState) -> int:
 
 
 @given(states_and_programs)
-def test_transitions_never_modify_their_input(state_and_program):
+def test_transitions_never_modify_their_input(state_and_program: StateAndProgram) -> None:
     """Every transition leaves its input state equal to a pre-call copy, tables and queue alike."""
     state, program = state_and_program
     for op in program:
@@ -51,7 +60,7 @@ def test_transitions_never_modify_their_input(state_and_program):
 
 
 @given(states_and_programs)
-def test_blocks_are_conserved(state_and_program):
+def test_blocks_are_conserved(state_and_program: StateAndProgram) -> None:
     """After every step, free + held == num_blocks - 1 in each group (null block excluded)."""
     state, program = state_and_program
     for step in run_program(state, program):
@@ -61,7 +70,7 @@ def test_blocks_are_conserved(state_and_program):
 
 
 @given(states_and_programs)
-def test_replaying_the_deltas_gives_the_final_state(state_and_program):
+def test_replaying_the_deltas_gives_the_final_state(state_and_program: StateAndProgram) -> None:
     """``replay(initial, deltas)`` equals the final state, and each delta replays its step."""
     state, program = state_and_program
     steps = run_program(state, program)
@@ -72,14 +81,14 @@ def test_replaying_the_deltas_gives_the_final_state(state_and_program):
 
 
 @given(states_and_programs, st.data())
-def test_batch_equals_sequential_allocate_slots(state_and_program, data):
+def test_batch_equals_sequential_allocate_slots(state_and_program: StateAndProgram,
+                                                data: st.DataObject) -> None:
     """``allocate_batch`` gives the state and refusals of ``allocate_slots`` called in order."""
     state, program = state_and_program
     steps = run_program(state, program)
     state = steps[-1].after if steps else state
-    ids = st.sampled_from(["a", "b", "c", "d", 0, 1, -1])
-    requests = data.draw(st.lists(slot_requests(ids, state.manager_keys), max_size=5,
-                                  unique_by=lambda r: r.request_id))
+    one = slot_requests(manager_keys=state.manager_keys, max_tokens=token_budget(state))
+    requests = data.draw(st.lists(one, max_size=5, unique_by=lambda r: r.request_id))
     sequential = run_program(state, [Allocate(r) for r in requests])
     batch = apply_operation(state, Batch(tuple(requests)))
     assert (sequential[-1].after if sequential else state) == batch.after
@@ -93,8 +102,8 @@ guarded_states = kv_states(
     st.just(4096))
 
 
-@given(guarded_states.flatmap(lambda s: st.tuples(st.just(s), programs(s.manager_keys))))
-def test_refusal_returns_the_input_state_object(state_and_program):
+@given(guarded_states.flatmap(with_program))
+def test_refusal_returns_the_input_state_object(state_and_program: StateAndProgram) -> None:
     """A refused ``allocate_slots`` returns the very input object and an empty delta."""
     state, program = state_and_program
     steps = run_program(state, program)
@@ -106,7 +115,7 @@ def test_refusal_returns_the_input_state_object(state_and_program):
 
 
 @given(states_and_programs)
-def test_refused_steps_of_a_program_change_nothing(state_and_program):
+def test_refused_steps_of_a_program_change_nothing(state_and_program: StateAndProgram) -> None:
     """Each refused single allocation of a program returns its input object unchanged."""
     state, program = state_and_program
     for step, op in zip(run_program(state, program), program, strict=True):
@@ -116,7 +125,7 @@ def test_refused_steps_of_a_program_change_nothing(state_and_program):
 
 
 @given(states_and_programs)
-def test_programs_match_the_naive_model(state_and_program):
+def test_programs_match_the_naive_model(state_and_program: StateAndProgram) -> None:
     """Every step of a program refuses and hands out exactly what the model does."""
     state, program = state_and_program
     groups = {g.key: g.policy for g in state.groups}

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from kvfunc.core._delta import BlocksChanged, DeltaBuilder
-from kvfunc.core._errors import InvalidTypeError
+from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
 from kvfunc.core._state import NULL_BLOCK, KVState, RequestId
 from kvfunc.core._transient import Transient
 from kvfunc.core._transitions import (
@@ -71,7 +71,9 @@ def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, .
 
     Refused requests change nothing and are listed in ``refused``; the
     result equals calling :func:`allocate_slots` one request at a time.
-    An invalid request raises and the input state stays as it was.
+    An invalid request raises and the input state stays as it was; so does
+    a request id named twice (a step names each request once, which keeps
+    the step's single delta replayable).
 
     >>> from kvfunc.core import FullAttention, KVState, get_block_ids
     >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
@@ -87,9 +89,14 @@ def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, .
     tr = Transient(state)
     sink = DeltaBuilder()
     refused: list[RequestId] = []
+    seen: set[RequestId] = set()
     for req in reqs:
         try:
             rid, computed, new, lookahead, reserved, keys = _unpack(req)
+            if rid in seen:
+                msg = f"request {rid!r} appears twice in one batch; a step names it once"
+                raise InvalidArgumentError(msg)
+            seen.add(rid)
             if not allocate_into(tr, rid, computed, new, lookahead, reserved, keys, sink):
                 refused.append(rid)
         except TypeError:

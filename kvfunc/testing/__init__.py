@@ -14,6 +14,8 @@ Three pieces, usable from kvfunc's own tests and from an integrator's:
 
 Needs ``hypothesis`` (the ``dev`` extra); ``import kvfunc`` never imports this.
 
+The model and the core agree on a program:
+
 >>> import kvfunc as kf
 >>> from kvfunc.testing import Allocate, NaiveAllocator, apply_to_model, run_program
 >>> groups = {"full": kf.FullAttention(num_blocks=5, block_size=4)}
@@ -24,6 +26,24 @@ Needs ``hypothesis`` (the ``dev`` extra); ``import kvfunc`` never imports this.
 True
 >>> kf.get_block_ids(steps[-1].after, "a") == model.get_block_ids("a") == {"full": (1, 2, 3)}
 True
+
+An engine reuses the machine with its own groups and checks its own layer
+after every accepted transition; ``EngineMachine.TestCase`` is a test class
+that pytest collects:
+
+>>> from hypothesis import strategies as st
+>>> from kvfunc.testing import KVStateMachine, run_state_machine
+>>> class EngineMachine(KVStateMachine):
+...     groups_strategy = st.just({"FullAttention": kf.FullAttention(64, 16),
+...                                "SlidingWindow": kf.SlidingWindow(32, 16, 128)})
+...     max_tokens = 512
+...
+...     def after_transition(self, before, after, delta):
+...         # Where a shell would zero the blocks a delta hands out, say.
+...         for key in after.manager_keys:
+...             held = {b for table in after.group(key).tables.values() for b in table}
+...             assert set(delta.new_block_ids(key)) <= held
+>>> run_state_machine(EngineMachine, max_examples=5, stateful_step_count=10)
 """
 
 from kvfunc.testing._machine import (

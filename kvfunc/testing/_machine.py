@@ -120,9 +120,8 @@ class KVStateMachine(RuleBasedStateMachine):
     ``max_model_len_strategy`` (the configurations to explore),
     ``max_tokens`` (token counts per request), ``replay_every`` (how often
     the whole delta log is replayed; always at teardown),
-    ``check_batches_sequentially`` (each batch also equals
-    ``allocate_slots`` one request at a time) and ``unique_batch_ids``
-    (a batch names each request at most once, as a scheduler step does).
+    and ``check_batches_sequentially`` (each batch also equals
+    ``allocate_slots`` one request at a time).
     """
 
     groups_strategy: ClassVar[st.SearchStrategy[Mapping[str, Policy]]] = group_configs()
@@ -130,11 +129,6 @@ class KVStateMachine(RuleBasedStateMachine):
     max_tokens: ClassVar[int] = 96
     replay_every: ClassVar[int] = 8
     check_batches_sequentially: ClassVar[bool] = True
-    # True by default: a scheduler step names each request once.  With the same
-    # request twice in one batch the batch delta does not replay today
-    # (``replay`` applies all of a delta's nulls before its appends), a known
-    # core issue; set it False to reproduce it.
-    unique_batch_ids: ClassVar[bool] = True
 
     request_ids: Bundle[RequestId] = Bundle("request_ids")
 
@@ -258,8 +252,7 @@ class KVStateMachine(RuleBasedStateMachine):
     @rule(rids=st.lists(request_ids, max_size=4), fresh=st.booleans(), data=st.data())
     def batch(self, rids: list[RequestId], fresh: bool, data: st.DataObject) -> None:
         """One ``allocate_batch`` step, compared with the model (and sequential calls)."""
-        if self.unique_batch_ids:
-            rids = list(dict.fromkeys(rids))
+        rids = list(dict.fromkeys(rids))  # a step names each request once
         if fresh:
             rids.append(self._fresh_id())
         requests = tuple(self._request(data, rid, decode=data.draw(st.booleans()))

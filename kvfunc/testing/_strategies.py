@@ -103,8 +103,6 @@ def policies(*, max_num_blocks: int = 16, attn_types: Collection[str] = ATTN_TYP
     ``num_blocks == 1`` (a pool that can never hand out a block) is included.
 
     >>> from hypothesis import find
-    >>> find(policies(), lambda p: isinstance(p, SlidingWindow))
-    SlidingWindow(num_blocks=2, block_size=1, sliding_window=0)
     >>> find(policies(), lambda p: p.num_blocks == 1)
     FullAttention(num_blocks=1, block_size=1, compress_ratio=1)
     """
@@ -135,9 +133,12 @@ def group_configs(*, min_groups: int = 1, max_groups: int = 3, max_num_blocks: i
                   ) -> st.SearchStrategy[dict[str, Policy]]:
     """``{manager_key: policy}`` with distinct keys and mixed types (hybrid models).
 
-    >>> from hypothesis import find
-    >>> sorted(find(group_configs(), lambda g: len(g) == 2))
-    ['FullAttention', 'SlidingWindow']
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=20)
+    ... @given(group_configs(attn_types=["SlidingWindow"]))
+    ... def test_windows(groups):
+    ...     assert all(isinstance(p, SlidingWindow) for p in groups.values())
+    >>> test_windows()
     """
     pairs = st.tuples(st.sampled_from(MANAGER_KEYS),
                       policies(max_num_blocks=max_num_blocks, attn_types=attn_types))
@@ -162,10 +163,12 @@ def kv_states(groups: st.SearchStrategy[Mapping[str, Policy]] | None = None,
               ) -> st.SearchStrategy[KVState]:
     """A fresh :class:`kvfunc.KVState` of :func:`group_configs`.
 
-    >>> from hypothesis import find
-    >>> find(kv_states(), lambda s: len(s.manager_keys) == 2)
-    KVState(max_model_len=4096, groups=('FullAttention', 'SlidingWindow'),
-            usage='FullAttention:1/2,SlidingWindow:1/2')
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=20)
+    ... @given(kv_states())
+    ... def test_fresh(state):
+    ...     assert 1 <= len(state.manager_keys) <= 3 and state.request_ids() == ()
+    >>> test_fresh()
     """
     return st.builds(KVState.create, groups if groups is not None else group_configs(),
                      max_model_len if max_model_len is not None else max_model_lens())
@@ -214,9 +217,13 @@ def request_fields(manager_keys: tuple[str, ...], max_tokens: int = 96, decode: 
     replaced by the request's position.  With no
     ``manager_keys`` the selection is always ``None``.
 
-    >>> from hypothesis import find
-    >>> find(request_fields(("full",), decode=True), lambda f: f[1] == 4)
-    (0, 4, 0, 0, None)
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=20)
+    ... @given(request_fields(("full",), max_tokens=8))
+    ... def test_fields(fields):
+    ...     computed, new, lookahead, reserved, keys = fields
+    ...     assert 0 <= new <= 8 and -2 <= lookahead <= 3 and 0 <= reserved <= 4
+    >>> test_fields()
     """
     computed = st.one_of(st.just(0), st.integers(0, max_tokens))
     short = st.integers(0, max_tokens // 4)
@@ -259,10 +266,16 @@ def slot_requests(request_ids: st.SearchStrategy[RequestId] | None = None,
     ``manager_keys`` are the state's keys; ``None``, ``()`` and an unknown
     key are drawn too.  Counts are as :func:`request_fields` describes.
 
-    >>> from hypothesis import find
-    >>> find(slot_requests(st.just("a")), lambda r: r.computed_tokens + r.lookahead_tokens < 0)
-    SlotRequest(request_id='a', computed_tokens=0, num_new_tokens=1, lookahead_tokens=-1,
-                reserved_tokens=0, manager_keys=None)
+    >>> import kvfunc as kf
+    >>> from hypothesis import given, settings
+    >>> state = kf.KVState.create({"full": kf.FullAttention(num_blocks=8, block_size=4)}, 64)
+    >>> @settings(max_examples=20)
+    ... @given(slot_requests(manager_keys=state.manager_keys))
+    ... def test_never_raises(r):
+    ...     kf.allocate_slots(state, r.request_id, r.computed_tokens, r.num_new_tokens,
+    ...                       r.lookahead_tokens, reserved_tokens=r.reserved_tokens,
+    ...                       manager_keys=r.manager_keys)
+    >>> test_never_raises()
     """
     ids = request_ids if request_ids is not None else st.sampled_from(REQUEST_IDS)
     fields = request_fields(tuple(manager_keys), max_tokens, computed_tokens is not None)
@@ -272,14 +285,14 @@ def slot_requests(request_ids: st.SearchStrategy[RequestId] | None = None,
 @st.composite
 def programs(draw: st.DrawFn, manager_keys: Sequence[str] = MANAGER_KEYS, *,
              request_ids: Sequence[RequestId] = REQUEST_IDS, max_ops: int = 16,
-             max_tokens: int = 96, unique_batch_ids: bool = True) -> tuple[Operation, ...]:
+             max_tokens: int = 96) -> tuple[Operation, ...]:
     """A program: allocations, batches, frees and recycles over a few request ids.
 
     The draw tracks how many tokens each request has computed, so most
     allocations continue a request like a scheduler would (prefill, then
     decode steps) and recycles happen at its position.  A batch holds each
-    request id at most once, as a scheduler step does, unless
-    ``unique_batch_ids`` is False.
+    request id at most once, as a scheduler step does (``allocate_batch``
+    rejects a repeated id).
 
     >>> from hypothesis import find
     >>> find(programs(["full"], max_ops=2), lambda p: any(isinstance(op, Free) for op in p))
@@ -307,7 +320,7 @@ def programs(draw: st.DrawFn, manager_keys: Sequence[str] = MANAGER_KEYS, *,
         if kind == "allocate":
             program.append(Allocate(request(rid)))
         elif kind == "batch":
-            rids = draw(st.lists(ids, max_size=4, unique=unique_batch_ids))
+            rids = draw(st.lists(ids, max_size=4, unique=True))
             program.append(Batch(tuple(request(r) for r in rids)))
         elif kind == "free":
             tokens.pop(rid, None)
