@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -201,13 +201,33 @@ class TinyDecoder:
 
     def forward_paged(self, tokens: Sequence[int] | torch.Tensor, positions: torch.Tensor,
                       cu_seqlens_q: Sequence[int], block_tables: Mapping[str, torch.Tensor],
-                      slot_mappings: Mapping[str, torch.Tensor]) -> torch.Tensor:
+                      slot_mappings: Mapping[str, torch.Tensor], *,
+                      on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits ``[T, vocab]`` of one batch step over the paged caches.
 
         Row ``r`` of the batch owns tokens ``cu[r-1]:cu[r]`` at consecutive
         positions that continue what its earlier steps cached; its K/V entries
         are written at ``slot_mappings`` and earlier ones read through
         ``block_tables`` (both keyed by manager key, rows in batch order).
+
+        ``on_layer_done(i)``, if given, is called right after layer ``i`` has
+        written this step's K/V entries into its caches (before its attention
+        reads them), layer after layer in order: the hook a layer-wise KV push
+        waits on.  Without it the step runs exactly as before.
+
+        >>> c = TinyDecoderConfig(layers=("full", "full"))
+        >>> model = TinyDecoder(c)
+        >>> for i, e in model.cache_info().iter_caches():  # 4 blocks, BnBsND
+        ...     model.caches[(i, e.cache_name)] = torch.zeros(
+        ...         4, c.block_size, c.num_kv_heads, c.head_dim)
+        >>> done = []
+        >>> tables = {"FullAttention": torch.tensor([[1]])}
+        >>> slots = {"FullAttention": torch.tensor([4, 5])}
+        >>> model.forward_paged([1, 2], torch.arange(2), [2], tables, slots,
+        ...                     on_layer_done=done.append).shape
+        torch.Size([2, 61])
+        >>> done
+        [0, 1]
         """
         pos = torch.as_tensor(positions, dtype=torch.int64)
         ends = [int(e) for e in cu_seqlens_q]
@@ -220,6 +240,8 @@ class TinyDecoder:
             caches = [self._cache(i, name) for name in names]
             for cache, entry in zip(caches, entries, strict=True):
                 write_to_cache(cache, slot_mappings[key], entry, layout=layout)
+            if on_layer_done is not None:
+                on_layer_done(i)
             attn = paged_attention(q, caches, entries, block_tables[key], pos, ends,
                                    layout=layout, sliding_window=self._window(i),
                                    to_kv=functools.partial(self._to_kv, i))

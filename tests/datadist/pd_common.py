@@ -22,29 +22,29 @@ CONFIG = TinyDecoderConfig(layers=("full", "sliding", "latent", "sliding", "full
 POOLS = {"FullAttention": 64, "SlidingWindow": 40}
 
 
-class SignallingDecoder(TinyDecoder):
-    """The tiny decoder, setting ``layer_done[i]`` once layer ``i`` has written its caches."""
+class LayerSignals:
+    """Sets ``done[i]`` when the model reports layer ``i`` written (``forward_paged``'s
+    ``on_layer_done``), and serves the LayerSynchronizer protocol over it."""
 
-    def __init__(self, config: TinyDecoderConfig) -> None:
-        super().__init__(config)
-        self.layer_done = [threading.Event() for _ in config.layers]
+    def __init__(self, num_layers: int) -> None:
+        self.done = [threading.Event() for _ in range(num_layers)]
 
-    def _finish(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        out = super()._finish(i, x, attn)
-        self.layer_done[i].set()
-        return out
+    def layer_done(self, layer_index: int) -> None:
+        """``on_layer_done``: layer ``layer_index`` has written its K/V."""
+        self.done[layer_index].set()
 
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
-        """The LayerSynchronizer protocol over ``layer_done``."""
+        """The LayerSynchronizer protocol over ``done``."""
         timeout = None if timeout_in_millis is None else timeout_in_millis / 1000
-        return self.layer_done[layer_index].wait(timeout)
+        return self.done[layer_index].wait(timeout)
 
 
 class Side:
     """One cluster's model over DataDist-pooled caches, and the allocator that manages them."""
 
     def __init__(self, cm: dd.CacheManager) -> None:
-        self.model = SignallingDecoder(CONFIG)
+        self.model = TinyDecoder(CONFIG)
+        self.signals = LayerSignals(len(CONFIG.layers))
         self.paged = dd.allocate_paged_caches(cm, self.model.cache_info(), POOLS)
         self.model.bind_caches(self.paged.cache_info)
         info = self.paged.cache_info
@@ -63,7 +63,8 @@ class Side:
         requests = [SimpleNamespace(request_id=rid) for rid, _, _ in rows]
         tables = prepare_block_tables(requests, self.mgr, self.widths, "cpu", len(rows))
         slots = prepare_slot_mapping(positions, ends, self.mgr, tables)
-        logits = self.model.forward_paged(tokens, positions, ends, tables, slots)
+        logits = self.model.forward_paged(tokens, positions, ends, tables, slots,
+                                          on_layer_done=self.signals.layer_done)
         return list(torch.tensor_split(logits, ends[:-1]))
 
 

@@ -45,7 +45,7 @@ def main() -> None:
             tasks = [task for rid in prompts for task in dd.push_request_blocks(
                 cluster.cache_manager, side.paged, side.layout, command["layout"], 1,
                 command["cache_ids"], side.mgr.get_block_ids(rid), command["block_ids"][rid],
-                layer_synchronizer=side.model)]
+                layer_synchronizer=side.signals)]
             first = run(side, prompts)
             for task in tasks:
                 task.synchronize(30_000)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torch_threads import one_torch_thread  # noqa: F401  (autouse)
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_datadist.py"
 
 

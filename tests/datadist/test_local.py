@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch_threads import one_torch_thread  # noqa: F401  (autouse)
 
 import kvfunc.datadist as dd
 from kvfunc.core import LLMError, LLMStatusCode

@@ -11,6 +11,7 @@ pytest.importorskip("mooncake.engine", reason="needs the kvfunc[mooncake] extra 
 
 from peer import pattern
 from peering import PeerProcess, options
+from torch_threads import one_torch_thread  # noqa: F401  (autouse)
 
 import kvfunc.datadist as dd
 from kvfunc.core import LLMStatusCode

@@ -21,6 +21,7 @@ import pytest
 import torch
 from pd_common import CONFIG, Side, jsonable
 from peering import PeerProcess, options
+from torch_threads import one_torch_thread  # noqa: F401  (autouse)
 
 import kvfunc.datadist as dd
 from kvfunc.core import NULL_BLOCK, LLMStatusCode
@@ -54,9 +55,12 @@ def dense_run() -> dict[str, list[tuple[int, torch.Tensor]]]:
 def test_decoder_continues_exactly_like_a_single_process(mode: str) -> None:
     """Pulled or pushed KV: every decoded token equals the dense run, logits to 1e-5."""
     reference = dense_run()
-    prefill = PeerProcess("PROMPT", 0, options(**{"llm.listenIpInfo": "127.0.0.1:0"}),
+    # The decoder serves one push at a time while both processes compute the model:
+    # on a loaded two-core machine the fault tests' 3 s transfer timeout is too tight.
+    wait = {"llm.SyncKvCacheWaitTime": 30_000}
+    prefill = PeerProcess("PROMPT", 0, options(**{"llm.listenIpInfo": "127.0.0.1:0"}, **wait),
                           script=PREFILL)
-    cluster = dd.LLMDataDist(dd.LLMRole.DECODER, 1, options())
+    cluster = dd.LLMDataDist(dd.LLMRole.DECODER, 1, options(**wait))
     try:
         assert [LLMStatusCode.LLM_SUCCESS] == cluster.link_clusters(
             [dd.ClusterInfo(0, *prefill.address)])[1]

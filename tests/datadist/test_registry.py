@@ -8,6 +8,7 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from torch_threads import one_torch_thread  # noqa: F401  (autouse)
 
 import kvfunc.datadist as dd
 from kvfunc.core import LLMStatusCode

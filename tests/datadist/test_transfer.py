@@ -10,6 +10,7 @@ import pytest
 import torch
 from peer import pattern
 from peering import PeerProcess, options
+from torch_threads import one_torch_thread  # noqa: F401  (autouse)
 
 import kvfunc.datadist as dd
 from kvfunc.core import LLMError, LLMStatusCode

@@ -2,7 +2,10 @@
 
 Both the test process and its peer processes compute; with torch's default
 of one thread per core they oversubscribe the CPU and every step slows down
-many times over.
+many times over.  Each test module imports :func:`one_torch_thread` (an
+autouse fixture).  It is not a ``conftest.py``: with ``--doctest-modules`` a
+second top-level ``conftest`` module (``tests/shell`` has one) cannot be
+collected in the same session as the first.
 """
 
 from __future__ import annotations
