@@ -22,6 +22,7 @@ from kvfunc.core import (
     NotSupportedError,
 )
 from kvfunc.core._errors import MissingTensorError
+from kvfunc.core._state import usage_string
 from kvfunc.core._transitions import (
     allocate_into,
     check_manager_keys,
@@ -131,11 +132,7 @@ class KVCacheManager:
 
     def format_usage(self) -> str:
         """``"key:used/num_blocks,..."``; the null block counts as used."""
-        groups = self._store.tr.groups
-        if not groups:
-            return "0/0"
-        return ",".join(f"{g.key}:{g.policy.num_blocks - g.count}/{g.policy.num_blocks}"
-                        for g in groups)
+        return usage_string((g.key, g.policy.num_blocks, g.count) for g in self._store.tr.groups)
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int], list[str],
                                                 list[int]]:

@@ -30,7 +30,7 @@ from kvfunc.core import (
 )
 from kvfunc.core._state import group_cache_entries
 from kvfunc.core._transient import GroupTransient
-from kvfunc.core._transitions import check_request_id, free_into, recycle_range, skip_range
+from kvfunc.core._transitions import check_request_id, free_into, recycle_into
 
 __all__ = [
     "ATTN_TYPE_MANAGER_MAP",
@@ -167,12 +167,7 @@ class SingleTypeKVCacheManager:
         skipped = self.get_num_skipped_tokens(total_computed_tokens)
         if skipped <= 0:
             return
-        g = self._group
-        table = g.tables.get(request_id)
-        if table:
-            lo, k = skip_range(g, table, total_computed_tokens)
-            if k > lo:
-                g.set_table(request_id, recycle_range(g, request_id, table, lo, k, None))
+        recycle_into(self._group, request_id, total_computed_tokens, None)
 
     @staticmethod
     def validate_and_build_kwargs(entries: Iterable[Any]) -> dict[str, Any]:

@@ -220,13 +220,18 @@ class KVState:
         return tuple(seen)
 
     def __repr__(self) -> str:
-        usage = ",".join(f"{g.key}:{g.policy.num_blocks - g.num_free}/{g.policy.num_blocks}"
-                         for g in self.groups)
+        usage = usage_string((g.key, g.policy.num_blocks, g.num_free) for g in self.groups)
         return (f"KVState(max_model_len={self.max_model_len}, "
                 f"groups={self.manager_keys!r}, usage={usage!r})")
 
 
 _G = TypeVar("_G")
+
+
+def usage_string(groups: Iterable[tuple[str, int, int]]) -> str:
+    """``"key:used/num_blocks,..."`` from ``(key, num_blocks, num_free)``; ``"0/0"`` for none."""
+    text = ",".join(f"{key}:{total - free}/{total}" for key, total, free in groups)
+    return text or "0/0"
 
 
 def find_group(groups: Iterable[_G], key: str) -> _G:

@@ -26,7 +26,14 @@ import attrs
 
 from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
-from kvfunc.core._state import NULL_BLOCK, BlockId, KVState, RequestId, find_group
+from kvfunc.core._state import (
+    NULL_BLOCK,
+    BlockId,
+    KVState,
+    RequestId,
+    find_group,
+    usage_string,
+)
 from kvfunc.core._transient import GroupTransient, Transient
 
 __all__ = [
@@ -133,6 +140,16 @@ def plan_group(g: GroupTransient, table: tuple[BlockId, ...] | None, computed: i
         return lo, k, 0, need if need > 0 else 0
     nulls, need = g.policy.plan_blocks(held, total)
     return lo, k, nulls, need
+
+
+def recycle_into(g: GroupTransient, request_id: RequestId, computed: int,
+                 sink: DeltaBuilder | None) -> None:
+    """Recycle whatever slid out of ``request_id``'s window in one group (no clamping)."""
+    table = g.tables.get(request_id)
+    if table:
+        lo, k = skip_range(g, table, computed)
+        if k > lo:
+            g.set_table(request_id, recycle_range(g, request_id, table, lo, k, sink))
 
 
 def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
@@ -313,11 +330,7 @@ def recycle_skipped_blocks(state: KVState, request_id: RequestId, computed_token
     for g in tr.groups:
         if manager_keys is not None and g.key not in manager_keys:
             continue
-        table = g.tables.get(request_id)
-        if table:
-            lo, k = skip_range(g, table, computed)
-            if k > lo:
-                g.set_table(request_id, recycle_range(g, request_id, table, lo, k, sink))
+        recycle_into(g, request_id, computed, sink)
     return tr.freeze(), sink.build()
 
 
@@ -349,7 +362,4 @@ def format_usage(state: KVState) -> str:
     ...                                                            block_size=4)}, 8))
     'FullAttention:1/12'
     """
-    if not state.groups:
-        return "0/0"
-    return ",".join(f"{g.key}:{g.policy.num_blocks - g.num_free}/{g.policy.num_blocks}"
-                    for g in state.groups)
+    return usage_string((g.key, g.policy.num_blocks, g.num_free) for g in state.groups)
