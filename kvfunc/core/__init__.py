@@ -13,7 +13,8 @@ from kvfunc.core._cache_info import (
     ModelCacheInfo,
     OffloadWorkspaceMemoryInfo,
 )
-from kvfunc.core._delta import DELTA_VERSION, BlocksChanged
+from kvfunc.core._cache_state import GroupCache
+from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, DELTA_VERSION, BlocksChanged
 from kvfunc.core._dtypes import dtype_itemsize
 from kvfunc.core._errors import (
     BlockIndexError,
@@ -33,6 +34,7 @@ from kvfunc.core._errors import (
     UnknownAttentionTypeError,
     UnknownRequestError,
 )
+from kvfunc.core._hashing import HASH_FUNCTIONS, BlockHash, BlockHashes, hash_function
 from kvfunc.core._policy import (
     FullAttention,
     Mamba,
@@ -41,6 +43,13 @@ from kvfunc.core._policy import (
     policy_class,
     register_policy,
     registered_attn_types,
+)
+from kvfunc.core._prefix import PrefixHit, lookup_prefix
+from kvfunc.core._prefix_ops import (
+    PrefixCacheStats,
+    fork_request,
+    num_cached_blocks,
+    reset_prefix_cache,
 )
 from kvfunc.core._replay import replay
 from kvfunc.core._sizing import (
@@ -73,12 +82,17 @@ from kvfunc.core._validate import (
 )
 
 __all__ = [
+    "COPY_INTO_NEW",
+    "COPY_SAVED",
     "DELTA_VERSION",
     "FIXED_BLOCK_ATTN_TYPES",
+    "HASH_FUNCTIONS",
     "NULL_BLOCK",
     "SUPPORTED_CACHE_LAYOUTS",
     "AllocationResult",
     "BatchResult",
+    "BlockHash",
+    "BlockHashes",
     "BlockId",
     "BlockIndexError",
     "BlocksChanged",
@@ -87,6 +101,7 @@ __all__ = [
     "DoubleFreeError",
     "FrozenDict",
     "FullAttention",
+    "GroupCache",
     "GroupState",
     "InsufficientMemoryError",
     "InvalidArgumentError",
@@ -107,6 +122,8 @@ __all__ = [
     "OffloadWorkspaceMemoryInfo",
     "OutOfBlocksError",
     "Policy",
+    "PrefixCacheStats",
+    "PrefixHit",
     "ReplayMismatchError",
     "RequestId",
     "SizingConfig",
@@ -120,14 +137,19 @@ __all__ = [
     "calculate_fixed_block_memory_bytes",
     "check_invariants",
     "dtype_itemsize",
+    "fork_request",
     "format_usage",
     "free_request",
     "get_block_ids",
+    "hash_function",
+    "lookup_prefix",
+    "num_cached_blocks",
     "num_free_blocks",
     "policy_class",
     "recycle_skipped_blocks",
     "register_policy",
     "registered_attn_types",
     "replay",
+    "reset_prefix_cache",
     "validate_cache_info",
 ]

@@ -19,7 +19,7 @@ A property test checks that both equal sequential ``allocate_slots``.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 
@@ -32,9 +32,15 @@ from kvfunc.core._transitions import (
     apply_plan,
     check_counts,
     check_manager_keys,
+    check_prefix_args,
     check_request_id,
+    finish_cached,
     plan_group,
 )
+
+if TYPE_CHECKING:
+    from kvfunc.core._hashing import BlockHashes
+    from kvfunc.core._prefix import PrefixHit
 
 __all__ = ["BatchResult", "SlotRequest", "allocate_batch"]
 
@@ -55,6 +61,8 @@ class SlotRequest(NamedTuple):
 
     A plain tuple ``(request_id, computed, new[, lookahead[, reserved[, keys]]])``
     is accepted wherever a ``SlotRequest`` is, and is cheaper to build.
+    ``block_hashes`` and ``prefix_hit`` are :func:`~kvfunc.allocate_slots`'s
+    prefix-caching arguments.
     """
 
     request_id: RequestId
@@ -63,6 +71,8 @@ class SlotRequest(NamedTuple):
     lookahead_tokens: int = 0
     reserved_tokens: int = 0
     manager_keys: Collection[str] | None = None
+    block_hashes: BlockHashes | None = None
+    prefix_hit: PrefixHit | None = None
 
 
 def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, ...]]
@@ -84,7 +94,7 @@ def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, .
     reqs = requests if isinstance(requests, list | tuple) else list(requests)
     sink = DeltaBuilder()
     tr = Transient(state)
-    if _group_major(tr, reqs, sink):
+    if not tr.caching and _group_major(tr, reqs, sink):
         return BatchResult(tr.freeze(), sink.build(), ())
     tr = Transient(state)
     sink = DeltaBuilder()
@@ -92,16 +102,22 @@ def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, .
     seen: set[RequestId] = set()
     for req in reqs:
         try:
-            rid, computed, new, lookahead, reserved, keys = _unpack(req)
+            rid, computed, new, lookahead, reserved, keys, hashes, hit = _unpack(req)
             if rid in seen:
                 msg = f"request {rid!r} appears twice in one batch; a step names it once"
                 raise InvalidArgumentError(msg)
             seen.add(rid)
-            if not allocate_into(tr, rid, computed, new, lookahead, reserved, keys, sink):
+            if hashes is not None or hit is not None:
+                check_counts(computed, new, lookahead, reserved)
+                check_prefix_args(state, rid, computed, keys, hashes, hit)
+            if not allocate_into(tr, rid, computed, new, lookahead, reserved, keys, sink,
+                                 hashes, hit):
                 refused.append(rid)
         except TypeError:
             _recheck(req)
             raise
+    if tr.caching:
+        finish_cached(tr, sink)
     return BatchResult(tr.freeze(), sink.build(), tuple(refused))
 
 
@@ -172,23 +188,23 @@ def _group_major(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder) -> bool
     return True
 
 
-def _unpack(req: Any) -> tuple[Any, int, int, int, int, Any]:
+def _unpack(req: Any) -> tuple[Any, int, int, int, int, Any, Any, Any]:
     n = len(req)
-    if n == 6:
+    if n == 8:
         return req  # type: ignore[no-any-return]
     if n == 3:
-        return req[0], req[1], req[2], 0, 0, None
+        return req[0], req[1], req[2], 0, 0, None, None, None
     if n == 4:
-        return req[0], req[1], req[2], req[3], 0, None
+        return req[0], req[1], req[2], req[3], 0, None, None, None
     return SlotRequest(*req)
 
 
 def _recheck(req: Any) -> None:
     """Turn a bare TypeError from a malformed request into a typed, named one."""
     try:
-        rid, computed, new, lookahead, reserved, keys = _unpack(req)
+        rid, computed, new, lookahead, reserved, keys, _, _ = _unpack(req)
     except TypeError:
-        msg = f"a batch entry must be a SlotRequest or a tuple of 3-6 fields, got {req!r}"
+        msg = f"a batch entry must be a SlotRequest or a tuple of 3-8 fields, got {req!r}"
         raise InvalidTypeError(msg) from None
     check_request_id(rid)
     check_manager_keys(keys)

@@ -11,11 +11,31 @@ column family are in the order the transition performed them, which is what
 * ``released_*``    requests whose table was removed;
 * ``appended_*``    table entries appended; block 0 is a null entry (a
   sliding-window head), any other id was taken from the head of the queue;
-* ``copied_*``      block copies the shell must perform (copy-on-write).
+* ``copied_*``      block copies the shell must perform before the step
+  runs; with prefix caching each row also names the request and the table
+  position the copy lands in (copy-on-write), :data:`COPY_INTO_NEW` when the
+  destination is a block the request was just given (a saved state that
+  seeds a new request), or :data:`COPY_SAVED` when the destination is taken
+  from the pool only to be cached (a state saved at a block boundary).
+
+Only states with prefix caching produce the remaining families:
+
+* ``shared_*``      appended entries that reference a block someone else
+  holds or that was cached (a prefix hit, a fork): not taken from the pool,
+  never to be zeroed;
+* ``touched_*``     cached free blocks a hit took out of the free queue;
+* ``stored_*``      full blocks cached under a hash (with the parent hash and
+  the block's token ids, for KV events);
+* ``evicted_*``     cached blocks forgotten because the pool handed them out;
+* ``cleared_keys``  groups whose whole prefix cache was reset;
+* ``hit_*``         one row per admission that asked the cache: the tokens
+  hit and the tokens looked up (hit-rate metrics).
 
 Replay applies, per group, nulls and frees, then releases, registrations and
 appends.  Taking from the head and returning to the tail commute as long as
-the queue never runs dry, which a valid transition guarantees.
+the queue never runs dry, which a valid transition guarantees.  Caching
+transitions defer copy-on-write copies and saved states to the end of the
+transition, so replaying copies after appends reproduces their block ids.
 """
 
 from __future__ import annotations
@@ -26,9 +46,12 @@ import attrs
 
 from kvfunc.core._state import BlockId, RequestId
 
-__all__ = ["DELTA_VERSION", "BlocksChanged", "DeltaBuilder"]
+__all__ = ["COPY_INTO_NEW", "COPY_SAVED", "DELTA_VERSION", "BlocksChanged", "CacheRows",
+           "DeltaBuilder"]
 
 DELTA_VERSION = 1
+COPY_INTO_NEW = -1
+COPY_SAVED = -2
 
 _EMPTY: tuple[Any, ...] = ()
 
@@ -63,12 +86,33 @@ class BlocksChanged:
     copied_keys: tuple[str, ...] = _EMPTY
     copied_src_block_ids: tuple[BlockId, ...] = _EMPTY
     copied_dst_block_ids: tuple[BlockId, ...] = _EMPTY
+    copied_request_ids: tuple[RequestId, ...] = _EMPTY
+    copied_positions: tuple[int, ...] = _EMPTY
+    shared_keys: tuple[str, ...] = _EMPTY
+    shared_request_ids: tuple[RequestId, ...] = _EMPTY
+    shared_block_ids: tuple[BlockId, ...] = _EMPTY
+    touched_keys: tuple[str, ...] = _EMPTY
+    touched_block_ids: tuple[BlockId, ...] = _EMPTY
+    stored_keys: tuple[str, ...] = _EMPTY
+    stored_block_ids: tuple[BlockId, ...] = _EMPTY
+    stored_hashes: tuple[bytes, ...] = _EMPTY
+    stored_parent_hashes: tuple[bytes | None, ...] = _EMPTY
+    stored_token_ids: tuple[tuple[int, ...], ...] = _EMPTY
+    evicted_keys: tuple[str, ...] = _EMPTY
+    evicted_block_ids: tuple[BlockId, ...] = _EMPTY
+    evicted_hashes: tuple[bytes, ...] = _EMPTY
+    cleared_keys: tuple[str, ...] = _EMPTY
+    hit_request_ids: tuple[RequestId, ...] = _EMPTY
+    hit_tokens: tuple[int, ...] = _EMPTY
+    hit_query_tokens: tuple[int, ...] = _EMPTY
 
     @property
     def is_empty(self) -> bool:
         """True when the transition changed nothing."""
         return not (self.registered_keys or self.nulled_keys or self.freed_keys
-                    or self.released_keys or self.appended_keys or self.copied_keys)
+                    or self.released_keys or self.appended_keys or self.copied_keys
+                    or self.shared_keys or self.touched_keys or self.stored_keys
+                    or self.evicted_keys or self.cleared_keys or self.hit_request_ids)
 
     def new_block_ids(self, key: str) -> tuple[BlockId, ...]:
         """Blocks taken from ``key``'s pool, in hand-out order (for zeroing).
@@ -77,17 +121,56 @@ class BlocksChanged:
         ...               appended_block_ids=(0, 5)).new_block_ids("a")
         (5,)
         """
+        shared = {b for k, b in zip(self.shared_keys, self.shared_block_ids, strict=True)
+                  if k == key}
         return tuple(b for k, b in zip(self.appended_keys, self.appended_block_ids, strict=True)
-                     if k == key and b)
+                     if k == key and b and b not in shared)
 
 
 EMPTY_DELTA = BlocksChanged()
 
 
+class CacheRows:
+    """Rows only caching transitions produce (created on first use)."""
+
+    __slots__ = ("cleared", "copied", "evicted", "hits", "shared", "stored", "touched")
+
+    def __init__(self) -> None:
+        self.copied: list[tuple[str, RequestId, int, BlockId, BlockId]] = []
+        self.shared: list[tuple[str, RequestId, BlockId]] = []
+        self.touched: list[tuple[str, BlockId]] = []
+        self.stored: list[tuple[str, BlockId, bytes, bytes | None, tuple[int, ...]]] = []
+        self.evicted: list[tuple[str, BlockId, bytes]] = []
+        self.cleared: list[str] = []
+        self.hits: list[tuple[RequestId, int, int]] = []
+
+    def columns(self) -> dict[str, tuple[Any, ...]]:
+        """The rows as ``BlocksChanged`` keyword arguments."""
+        out: dict[str, tuple[Any, ...]] = {}
+        for rows, names in ((self.copied, _COPIED), (self.shared, _SHARED),
+                            (self.touched, _TOUCHED), (self.stored, _STORED),
+                            (self.evicted, _EVICTED), (self.hits, _HITS)):
+            if rows:
+                out.update(zip(names, zip(*rows, strict=True), strict=True))
+        if self.cleared:
+            out["cleared_keys"] = tuple(self.cleared)
+        return out
+
+
+_COPIED = ("copied_keys", "copied_request_ids", "copied_positions", "copied_src_block_ids",
+           "copied_dst_block_ids")
+_SHARED = ("shared_keys", "shared_request_ids", "shared_block_ids")
+_TOUCHED = ("touched_keys", "touched_block_ids")
+_STORED = ("stored_keys", "stored_block_ids", "stored_hashes", "stored_parent_hashes",
+           "stored_token_ids")
+_EVICTED = ("evicted_keys", "evicted_block_ids", "evicted_hashes")
+_HITS = ("hit_request_ids", "hit_tokens", "hit_query_tokens")
+
+
 class DeltaBuilder:
     """Mutable row collector used inside one transition, then frozen once."""
 
-    __slots__ = ("appended", "freed", "nulled", "registered", "released")
+    __slots__ = ("appended", "cache", "freed", "nulled", "registered", "released")
 
     def __init__(self) -> None:
         self.registered: list[tuple[str, RequestId]] = []
@@ -95,9 +178,23 @@ class DeltaBuilder:
         self.freed: list[tuple[str, BlockId]] = []
         self.released: list[tuple[str, RequestId]] = []
         self.appended: list[tuple[str, RequestId, BlockId]] = []
+        self.cache: CacheRows | None = None
+
+    def cache_rows(self) -> CacheRows:
+        """The caching rows (created on first use)."""
+        rows = self.cache
+        if rows is None:
+            rows = self.cache = CacheRows()
+        return rows
 
     def build(self) -> BlocksChanged:
         """Freeze the collected rows into one columnar record."""
+        if self.cache is not None:
+            columns: dict[str, Any] = self.cache.columns()
+            return attrs.evolve(self._build(), **columns)
+        return self._build()
+
+    def _build(self) -> BlocksChanged:
         if not (self.registered or self.nulled or self.freed or self.released or self.appended):
             return EMPTY_DELTA
         reg = tuple(zip(*self.registered, strict=True)) or (_EMPTY, _EMPTY)

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from kvfunc.core._delta import DELTA_VERSION, BlocksChanged
 from kvfunc.core._errors import ReplayMismatchError, UnknownRequestError
+from kvfunc.core._prefix_replay import apply_cached_delta
 from kvfunc.core._state import NULL_BLOCK, BlockId, KVState, RequestId
 from kvfunc.core._transient import Transient
 
@@ -50,6 +51,9 @@ def apply_delta_into(tr: Transient, delta: BlocksChanged) -> None:
 
 
 def _apply(tr: Transient, d: BlocksChanged) -> None:
+    if tr.caching:
+        apply_cached_delta(tr, d, _mismatch)
+        return
     for key, rid, pos in zip(d.nulled_keys, d.nulled_request_ids, d.nulled_positions,
                              strict=True):
         g = tr.group(key)

@@ -31,6 +31,7 @@ from typing import Any, NoReturn, TypeVar
 import attrs
 from pyrsistent import PVector, pvector
 
+from kvfunc.core._cache_state import GroupCache
 from kvfunc.core._errors import InvalidArgumentError, UnknownRequestError
 from kvfunc.core._policy import Policy, policies_by_key, policy_class
 
@@ -104,25 +105,35 @@ class GroupState:
     free_head: int
     num_free: int
     num_detached: int = 0
+    cache: GroupCache | None = None
 
     @classmethod
-    def create(cls, key: str, policy: Policy) -> GroupState:
+    def create(cls, key: str, policy: Policy, *, caching: bool = False) -> GroupState:
         """A fresh group: ids ``1 .. num_blocks - 1`` free in order, null block 0.
+
+        With ``caching`` the group also counts references and keeps a
+        prefix cache (see :class:`GroupCache`).
 
         >>> from kvfunc.core._policy import FullAttention
         >>> GroupState.create("full", FullAttention(num_blocks=4, block_size=16)).free_block_ids()
         (1, 2, 3)
         """
         n = policy.num_blocks
-        chunks = max(1, -(-(n - 1) // FREE_CHUNK))
+        # A caching group's ring also holds stale entries (see GroupCache): twice the room
+        # makes compacting it rare.
+        chunks = max(1, -(-(n - 1) // FREE_CHUNK)) * (2 if caching else 1)
         ids = list(range(1, n)) + [NULL_BLOCK] * (chunks * FREE_CHUNK - (n - 1))
         ring = pvector(tuple(ids[i:i + FREE_CHUNK]) for i in range(0, len(ids), FREE_CHUNK))
-        return cls(key, policy, EMPTY_TABLES, ring, 0, n - 1, 0)
+        cache = GroupCache.create(n) if caching else None
+        return cls(key, policy, EMPTY_TABLES, ring, 0, n - 1, 0, cache)
 
     def free_block_ids(self) -> tuple[BlockId, ...]:
         """Free block ids in hand-out order (head first)."""
         ring, head = self.free_ring, self.free_head
         cap = len(ring) * FREE_CHUNK
+        cache = self.cache
+        if cache is not None:
+            return tuple(cache.live_entries(ring, head, cap))
         out = []
         for i in range(self.num_free):
             p = (head + i) % cap
@@ -134,7 +145,9 @@ class GroupState:
         return sum(len(t) - t.count(NULL_BLOCK) for t in self.tables.values())
 
     def _identity(self) -> tuple[Any, ...]:
-        return (self.key, self.policy, dict(self.tables), self.free_block_ids(), self.num_detached)
+        cache = None if self.cache is None else self.cache.identity()
+        return (self.key, self.policy, dict(self.tables), self.free_block_ids(), self.num_detached,
+                cache)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, GroupState):
@@ -172,8 +185,13 @@ class KVState:
     groups: tuple[GroupState, ...]
 
     @classmethod
-    def create(cls, groups: Mapping[str, Policy], max_model_len: int) -> KVState:
+    def create(cls, groups: Mapping[str, Policy], max_model_len: int, *,
+               enable_prefix_caching: bool = False) -> KVState:
         """A fresh state from ``{manager_key: policy}`` in manager order.
+
+        ``enable_prefix_caching`` turns on reference counts, the prefix cache
+        and forks in every group (see :mod:`kvfunc.core._prefix`); without
+        it the state hands out exactly the seed's block ids.
 
         >>> from kvfunc.core._policy import FullAttention
         >>> KVState.create({"full": FullAttention(num_blocks=3, block_size=4)}, 64)
@@ -182,12 +200,22 @@ class KVState:
         if type(max_model_len) is not int or max_model_len < 0:
             msg = f"max_model_len must be a non-negative int, but got {max_model_len!r}"
             raise InvalidArgumentError(msg)
+        if type(enable_prefix_caching) is not bool:
+            msg = f"enable_prefix_caching must be a bool, but got {enable_prefix_caching!r}"
+            raise InvalidArgumentError(msg)
         items = policies_by_key(groups)
-        return cls(max_model_len, tuple(GroupState.create(k, p) for k, p in items))
+        return cls(max_model_len, tuple(GroupState.create(k, p, caching=enable_prefix_caching)
+                                        for k, p in items))
+
+    @property
+    def prefix_caching(self) -> bool:
+        """True when the state was created with ``enable_prefix_caching``."""
+        return any(g.cache is not None for g in self.groups)
 
     @classmethod
     def from_cache_info(
-        cls, info: Any, block_num_by_type: Mapping[str, int], max_model_len: int
+        cls, info: Any, block_num_by_type: Mapping[str, int], max_model_len: int, *,
+        enable_prefix_caching: bool = False,
     ) -> KVState:
         """A fresh state whose groups follow a ``ModelCacheInfo`` (seed §3.5).
 
@@ -201,7 +229,8 @@ class KVState:
         >>> KVState.from_cache_info(info, {"FullAttention": 100}, 8192).manager_keys
         ('FullAttention',)
         """
-        return cls.create(dict(_policies_from_cache_info(info, block_num_by_type)), max_model_len)
+        return cls.create(dict(_policies_from_cache_info(info, block_num_by_type)), max_model_len,
+                          enable_prefix_caching=enable_prefix_caching)
 
     @property
     def manager_keys(self) -> tuple[str, ...]:
@@ -315,8 +344,12 @@ def check_invariants(state: KVState) -> None:
         n = g.policy.num_blocks
         free = g.free_block_ids()
         assert g.num_free >= 0, f"{g.key}: negative free count {g.num_free}"
+        assert len(free) == g.num_free, f"{g.key}: {len(free)} free ids, count {g.num_free}"
         assert NULL_BLOCK not in free, f"{g.key}: null block in the free queue"
         held = [b for t in g.tables.values() for b in t if b != NULL_BLOCK]
+        if g.cache is not None:
+            _check_cache(g, free, held)
+            held = list(set(held))
         together = list(free) + held
         assert len(together) == len(set(together)), f"{g.key}: a block is free and held, or twice"
         assert all(0 < b < n for b in together), f"{g.key}: block id out of range"
@@ -332,3 +365,19 @@ def check_invariants(state: KVState) -> None:
         else:
             for rid, t in g.tables.items():
                 assert NULL_BLOCK not in t, f"{g.key}: {rid!r} holds the null block"
+
+
+def _check_cache(g: GroupState, free: tuple[BlockId, ...], held: list[BlockId]) -> None:
+    """Reference counts equal table membership; the hash index matches the blocks."""
+    cache = g.cache
+    assert cache is not None
+    counts = [0] * g.policy.num_blocks
+    for b in held:
+        counts[b] += 1
+    assert list(cache.refs) == counts, f"{g.key}: reference counts differ from the tables"
+    index = cache.cached()
+    listed = {b: h for h, blocks in index.items() for b in blocks}
+    assert sum(len(v) for v in index.values()) == len(listed), f"{g.key}: a block cached twice"
+    assert all(v for v in index.values()), f"{g.key}: an empty hash entry"
+    hashes = {b: h for b, h in enumerate(cache.hash_of) if h is not None}
+    assert hashes == listed, f"{g.key}: block hashes and the hash index differ"

@@ -41,6 +41,8 @@ class GroupTransient:
         "may_skip", "owned", "policy", "ring", "src", "tables", "window",
     )
 
+    counts_refs = False  # the caching subclass counts references per block
+
     def __init__(self, group: GroupState) -> None:
         policy = group.policy
         self.src = group
@@ -89,7 +91,15 @@ class GroupTransient:
 
     def take(self, n: int) -> tuple[BlockId, ...]:
         """Pop ``n`` ids from the head (caller checked ``n <= count``)."""
-        h, cap = self.head, self.cap
+        out, h = self._read(self.head, n)
+        self.head = h
+        self.count -= n
+        self.changed = True
+        return out
+
+    def _read(self, h: int, n: int) -> tuple[tuple[BlockId, ...], int]:
+        """``n`` ring entries from position ``h`` and the position after them."""
+        cap = self.cap
         index, off = divmod(h, FREE_CHUNK)
         if off + n <= FREE_CHUNK:  # the common case: one chunk
             out = tuple(self._chunk(index)[off:off + n])
@@ -104,21 +114,32 @@ class GroupTransient:
                 if h == cap:
                     h = 0
             out = tuple(parts)
-        self.head = h if h != cap else 0
-        self.count -= n
-        self.changed = True
-        return out
+        return out, (h if h != cap else 0)
 
     def give(self, ids: Iterable[BlockId]) -> None:
         """Append ids at the tail, in the order given (chunks copied on first write)."""
         new = ids if isinstance(ids, list | tuple) else list(ids)
         if not new:
             return
+        self._write((self.head + self.count) % self.cap, new)
+        self.count += len(new)
+        self.changed = True
+
+    def release_blocks(self, ids: list[BlockId] | tuple[BlockId, ...]
+                       ) -> list[BlockId] | tuple[BlockId, ...]:
+        """Drop one reference to each block; return (and free) those nobody holds.
+
+        Without reference counts every block has one holder: all are freed.
+        """
+        self.give(ids)
+        return ids
+
+    def _write(self, pos: int, new: list[BlockId] | tuple[BlockId, ...]) -> None:
+        """Write ``new`` into the ring from position ``pos`` on."""
         dirty = self.dirty
         if dirty is None:
             dirty = self.dirty = {}
         cap = self.cap
-        pos = (self.head + self.count) % cap
         i = 0
         while i < len(new):
             index, off = divmod(pos, FREE_CHUNK)
@@ -131,8 +152,6 @@ class GroupTransient:
             pos += m
             if pos == cap:
                 pos = 0
-        self.count += len(new)
-        self.changed = True
 
     def free_ids(self) -> list[BlockId]:
         """Free ids in hand-out order (O(free); for checks, not the hot path)."""
@@ -156,19 +175,25 @@ class GroupTransient:
         self.owned = False
         self.changed = False
         self.src = GroupState(self.key, self.policy, self.tables, self.ring, self.head,
-                              self.count, self.detached)
+                              self.count, self.detached, self._frozen_cache())
         return self.src
+
+    def _frozen_cache(self) -> Any:
+        return None
 
 
 class Transient:
     """Working copy of a whole :class:`KVState`."""
 
-    __slots__ = ("groups", "max_model_len", "src")
+    __slots__ = ("caching", "groups", "max_model_len", "src")
 
     def __init__(self, state: KVState) -> None:
         self.src = state
         self.max_model_len = state.max_model_len
-        self.groups = tuple(GroupTransient(g) for g in state.groups)
+        groups = state.groups
+        self.caching = groups[0].cache is not None if groups else False
+        kind = CacheGroupTransient if self.caching else GroupTransient
+        self.groups: tuple[GroupTransient, ...] = tuple(kind(g) for g in groups)
 
     def group(self, key: str) -> GroupTransient:
         """The working copy of ``key``'s group."""
@@ -182,3 +207,6 @@ class Transient:
             return src
         self.src = KVState(self.max_model_len, groups)
         return self.src
+
+
+from kvfunc.core._cache_transient import CacheGroupTransient  # noqa: E402 - subclass of the above

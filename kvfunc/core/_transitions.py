@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from itertools import repeat
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -35,6 +36,10 @@ from kvfunc.core._state import (
     usage_string,
 )
 from kvfunc.core._transient import GroupTransient, Transient
+
+if TYPE_CHECKING:
+    from kvfunc.core._hashing import BlockHashes
+    from kvfunc.core._prefix import PrefixHit
 
 __all__ = [
     "AllocationResult",
@@ -105,15 +110,14 @@ def skip_range(g: GroupTransient, table: tuple[BlockId, ...], computed: int) -> 
 def recycle_range(g: GroupTransient, request_id: RequestId, table: tuple[BlockId, ...],
                   lo: int, k: int, sink: DeltaBuilder | None) -> tuple[BlockId, ...]:
     """Null positions ``lo .. k-1`` and free their blocks, highest index first."""
-    if k - lo == 1:  # the common case: one block left the window this step
+    if k - lo == 1 and not g.counts_refs:  # the common case: one block left the window
         b = table[lo]
         g.give((b,))
         if sink is not None:
             sink.nulled.append((g.key, request_id, lo))
             sink.freed.append((g.key, b))
         return table[:lo] + (NULL_BLOCK,) + table[k:]
-    freed = [table[i] for i in range(k - 1, lo - 1, -1)]
-    g.give(freed)
+    freed = g.release_blocks([table[i] for i in range(k - 1, lo - 1, -1)])
     if sink is not None:
         key = g.key
         sink.nulled.extend([(key, request_id, i) for i in range(k - 1, lo - 1, -1)])
@@ -154,8 +158,13 @@ def recycle_into(g: GroupTransient, request_id: RequestId, computed: int,
 
 def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
                   lookahead: int, reserved: int, manager_keys: Collection[str] | None,
-                  sink: DeltaBuilder | None) -> bool:
-    """Allocate for one request on ``tr``; on refusal ``tr`` is left untouched."""
+                  sink: DeltaBuilder | None, hashes: Any = None, hit: Any = None) -> bool:
+    """Allocate for one request on ``tr``; on refusal ``tr`` is left untouched.
+
+    On a caching transient the step is :func:`kvfunc.core._prefix.allocate_cached`
+    (``sink`` is then required) and the caller runs ``finish_cached`` before
+    freezing.
+    """
     try:
         total = computed + new + lookahead
     except TypeError:
@@ -174,6 +183,11 @@ def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
         g for g in tr.groups if g.key in manager_keys]
     if total < 0 and groups:
         raise InvalidArgumentError("num_tokens must be non-negative")
+    if tr.caching:
+        assert sink is not None
+        written = computed + new if computed + new < limit else limit
+        return allocate_cached(tr, groups, request_id, computed, written, total, reserved, sink,
+                               hashes, hit)
     plans: list[tuple[GroupTransient, tuple[BlockId, ...] | None, int, int, int, int]] | None
     plans = None
     for g in groups:  # phase 1: decide, change nothing
@@ -241,7 +255,10 @@ def free_into(tr: Transient, request_id: RequestId, manager_keys: Collection[str
             continue
         table = g.drop_table(request_id)
         ids = [b for b in table if b != NULL_BLOCK] if NULL_BLOCK in table else table
-        g.give(ids)
+        if g.counts_refs:  # the tail of a prefix is evicted before its head (LRU)
+            ids = g.release_blocks(ids[::-1])
+        else:
+            g.give(ids)
         if sink is not None:
             sink.released.append((g.key, request_id))
             sink.freed.extend(zip(repeat(g.key), ids))
@@ -252,7 +269,9 @@ def free_into(tr: Transient, request_id: RequestId, manager_keys: Collection[str
 
 def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
                    num_new_tokens: int, lookahead_tokens: int = 0, *, reserved_tokens: int = 0,
-                   manager_keys: Collection[str] | None = None) -> AllocationResult:
+                   manager_keys: Collection[str] | None = None,
+                   block_hashes: BlockHashes | None = None,
+                   prefix_hit: PrefixHit | None = None) -> AllocationResult:
     """Make room for ``computed + new + lookahead`` tokens of a request, atomically.
 
     Token counts are clamped to ``max_model_len``; ``reserved_tokens`` keeps
@@ -260,6 +279,12 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
     full-attention groups; ``manager_keys`` restricts the groups (unknown
     keys are ignored, as in the seed).  A refusal is a value: ``ok`` is
     False and ``state`` is the input object itself.
+
+    With prefix caching (see :func:`lookup_prefix`), ``block_hashes`` lets
+    the request's full blocks be cached, and ``prefix_hit`` admits a new
+    request with its cached prefix (``computed_tokens`` must equal
+    ``prefix_hit.num_tokens``); a hit whose blocks were evicted since the
+    lookup is refused.
 
     >>> from kvfunc.core import FullAttention, KVState
     >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
@@ -273,11 +298,16 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
     check_request_id(request_id)
     check_manager_keys(manager_keys)
     check_counts(computed_tokens, num_new_tokens, lookahead_tokens, reserved_tokens)
+    if block_hashes is not None or prefix_hit is not None:
+        check_prefix_args(state, request_id, computed_tokens, manager_keys, block_hashes,
+                          prefix_hit)
     tr = Transient(state)
     sink = DeltaBuilder()
     if not allocate_into(tr, request_id, computed_tokens, num_new_tokens, lookahead_tokens,
-                         reserved_tokens, manager_keys, sink):
+                         reserved_tokens, manager_keys, sink, block_hashes, prefix_hit):
         return AllocationResult(False, state, EMPTY_DELTA)
+    if tr.caching:
+        finish_cached(tr, sink)
     return AllocationResult(True, tr.freeze(), sink.build())
 
 
@@ -363,3 +393,10 @@ def format_usage(state: KVState) -> str:
     'FullAttention:1/12'
     """
     return usage_string((g.key, g.policy.num_blocks, g.num_free) for g in state.groups)
+
+
+from kvfunc.core._prefix import (  # noqa: E402 - it builds on the step above
+    allocate_cached as allocate_cached,
+)
+from kvfunc.core._prefix import check_prefix_args as check_prefix_args  # noqa: E402
+from kvfunc.core._prefix import finish_cached as finish_cached  # noqa: E402

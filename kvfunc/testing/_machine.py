@@ -191,7 +191,7 @@ class KVStateMachine(RuleBasedStateMachine):
             before, req.request_id, req.computed_tokens, req.num_new_tokens,
             req.lookahead_tokens, reserved_tokens=req.reserved_tokens,
             manager_keys=req.manager_keys))
-        ok, model_error = _outcome(lambda: self.model.allocate_slots(*req))
+        ok, model_error = _outcome(lambda: self.model.allocate_slots(*req[:6]))
         assert (model_error is None) == (error is None), f"core {error!r}, model {model_error!r}"
         if error is not None:
             return  # the core cannot have touched ``before``; the invariants check the model

@@ -239,7 +239,7 @@ class NaiveAllocator:
         refused = []
         try:
             for request in requests:
-                if not self.allocate_slots(*request):
+                if not self.allocate_slots(*request[:6]):
                     refused.append(request[0])
         except BaseException:
             self._managers = before
@@ -324,7 +324,7 @@ def apply_to_model(model: NaiveAllocator, op: Operation) -> tuple[RequestId, ...
     ('a',)
     """
     if isinstance(op, Allocate):
-        return () if model.allocate_slots(*op.request) else (op.request.request_id,)
+        return () if model.allocate_slots(*op.request[:6]) else (op.request.request_id,)
     if isinstance(op, Batch):
         return model.allocate_batch(op.requests)
     if isinstance(op, Free):

@@ -1,0 +1,201 @@
+"""The working copy of a caching group: the FIFO ring plus references and hashes.
+
+See :mod:`kvfunc.core._cache_state` for the representation.  Everything a
+plain :class:`~kvfunc.core._transient.GroupTransient` does still holds; this
+subclass adds
+
+* ``take``: skips stale entries, sets the taken block's count to 1 and
+  evicts its cached hash (the only place eviction happens);
+* ``give``: appends live entries, compacting the ring when it is full;
+* ``release_blocks``: drops one reference per block and frees the blocks
+  nobody holds any more;
+* ``share``: adds a reference, taking a free block out of the queue (its
+  ring entry turns stale);
+* ``store`` / ``evict`` / ``clear_cache``: the hash index.
+
+Evictions are collected in ``evicted`` and moved into the delta when the
+transition finishes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyrsistent import pvector
+
+from kvfunc.core._cache_state import GroupCache
+from kvfunc.core._state import FREE_CHUNK, NULL_BLOCK, BlockId, GroupState
+from kvfunc.core._transient import GroupTransient
+
+__all__ = ["CacheGroupTransient"]
+
+
+class CacheGroupTransient(GroupTransient):
+    """Working copy of a :class:`GroupState` with a :class:`GroupCache`."""
+
+    __slots__ = ("entries", "evicted", "hash_of", "owned_shards", "pending", "refs", "shards",
+                 "stale")
+
+    counts_refs = True
+
+    def __init__(self, group: GroupState) -> None:
+        super().__init__(group)
+        self._open(group.cache)
+        self.evicted: list[tuple[str, BlockId, bytes]] = []
+        self.pending: list[tuple[Any, ...]] = []
+
+    def _open(self, cache: GroupCache | None) -> None:
+        assert cache is not None
+        self.refs = cache.refs.evolver()
+        self.hash_of = cache.hash_of.evolver()
+        self.stale = cache.stale.evolver()
+        self.shards: Any = cache.by_hash
+        self.owned_shards: set[int] | None = None
+        self.entries = cache.num_entries
+
+    # -- the queue ---------------------------------------------------------------
+    def take(self, n: int) -> tuple[BlockId, ...]:
+        """Pop ``n`` live ids from the head, evicting their cached hashes."""
+        out: list[BlockId] = []
+        refs, stale, hash_of = self.refs, self.stale, self.hash_of
+        h = self.head
+        while len(out) < n:
+            want = n - len(out)
+            run, h = self._read(h, want)
+            self.entries -= want
+            for b in run:
+                s = stale[b]
+                if s:
+                    stale[b] = s - 1
+                    continue
+                out.append(b)
+                refs[b] = 1
+                old = hash_of[b]
+                if old is not None:
+                    self.evict(b, old)
+        self.head = h
+        self.count -= n
+        self.changed = True
+        return tuple(out)
+
+    def give(self, ids: Any) -> None:
+        """Append live entries at the tail (compacting the ring first when it is full)."""
+        new = ids if isinstance(ids, list | tuple) else list(ids)
+        if not new:
+            return
+        if self.entries + len(new) > self.cap:
+            self._compact()
+        self._write((self.head + self.entries) % self.cap, new)
+        self.entries += len(new)
+        self.count += len(new)
+        self.changed = True
+
+    def _compact(self) -> None:
+        """Rewrite the ring with its live entries only (order kept, stale counts zeroed)."""
+        live = self.free_ids()
+        pad = self.cap - len(live)
+        ids = live + [NULL_BLOCK] * pad
+        self.ring = pvector(tuple(ids[i:i + FREE_CHUNK]) for i in range(0, len(ids), FREE_CHUNK))
+        self.dirty = None
+        self.head = 0
+        self.entries = len(live)
+        self.stale = pvector([0] * self.policy.num_blocks).evolver()
+
+    def free_ids(self) -> list[BlockId]:
+        """Live free ids in hand-out order (O(entries); for checks and compaction)."""
+        stale = self.stale
+        seen: dict[int, int] = {}
+        out = []
+        h, cap = self.head, self.cap
+        for i in range(self.entries):
+            p = (h + i) % cap
+            b = self._chunk(p // FREE_CHUNK)[p % FREE_CHUNK]
+            s = stale[b]
+            if s:
+                k = seen.get(b, 0)
+                if k < s:
+                    seen[b] = k + 1
+                    continue
+            out.append(b)
+        return out
+
+    # -- references ----------------------------------------------------------------
+    def release_blocks(self, ids: list[BlockId] | tuple[BlockId, ...]) -> list[BlockId]:
+        """Drop one reference to each of ``ids``; free (in order) those that reach 0."""
+        refs = self.refs
+        freed = []
+        for b in ids:
+            r = refs[b] - 1
+            refs[b] = r
+            if not r:
+                freed.append(b)
+        self.changed = True
+        self.give(freed)
+        return freed
+
+    def share(self, b: BlockId) -> bool:
+        """Add a reference to ``b``; True when it was free (it leaves the queue)."""
+        r = self.refs[b]
+        self.refs[b] = r + 1
+        self.changed = True
+        if r:
+            return False
+        self.stale[b] += 1
+        self.count -= 1
+        return True
+
+    # -- the hash index ------------------------------------------------------------
+    def _shard(self, index: int) -> dict[bytes, tuple[BlockId, ...]]:
+        owned = self.owned_shards
+        if owned is None:
+            self.shards = list(self.shards)
+            owned = self.owned_shards = set()
+        shard: dict[bytes, tuple[BlockId, ...]] = self.shards[index]
+        if index not in owned:
+            shard = self.shards[index] = dict(shard)
+            owned.add(index)
+        return shard
+
+    def lookup(self, block_hash: bytes) -> tuple[BlockId, ...]:
+        """Blocks cached under ``block_hash`` (oldest first)."""
+        result: tuple[BlockId, ...] = self.shards[block_hash[0]].get(block_hash, ())
+        return result
+
+    def store(self, b: BlockId, block_hash: bytes) -> None:
+        """Cache ``b`` (a full block) under ``block_hash``."""
+        self.hash_of[b] = block_hash
+        shard = self._shard(block_hash[0])
+        shard[block_hash] = shard.get(block_hash, ()) + (b,)
+        self.changed = True
+
+    def evict(self, b: BlockId, block_hash: bytes) -> None:
+        """Forget that ``b`` caches ``block_hash`` (recorded for the delta)."""
+        self.hash_of[b] = None
+        shard = self._shard(block_hash[0])
+        rest = tuple(x for x in shard[block_hash] if x != b)
+        if rest:
+            shard[block_hash] = rest
+        else:
+            del shard[block_hash]
+        self.evicted.append((self.key, b, block_hash))
+        self.changed = True
+
+    def clear_cache(self) -> int:
+        """Forget every cached hash (held blocks stay held); returns how many were cached."""
+        hash_of = self.hash_of
+        n = 0
+        for b in range(self.policy.num_blocks):
+            if hash_of[b] is not None:
+                hash_of[b] = None
+                n += 1
+        self.shards = tuple({} for _ in self.shards)
+        self.owned_shards = None
+        self.changed = True
+        return n
+
+    # -- freezing ------------------------------------------------------------------
+    def _frozen_cache(self) -> GroupCache:
+        cache = GroupCache(self.refs.persistent(), self.hash_of.persistent(), tuple(self.shards),
+                           self.stale.persistent(), self.entries)
+        self._open(cache)  # the published vectors and shards are shared from now on
+        return cache

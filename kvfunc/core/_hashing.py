@@ -1,0 +1,231 @@
+"""Block hashes: chained digests of full blocks of token ids, computed incrementally.
+
+Theory of operation
+-------------------
+A request's prefix is identified block by block.  Block ``i`` (tokens
+``i*bs .. (i+1)*bs - 1``) gets the digest of the previous block's digest and
+its own token ids, so a block's hash names the *whole* prefix up to its end::
+
+    root = H("kvfunc.prefix/1" | cache_salt | extra_keys)
+    h0   = H(root | tokens[0:bs])
+    h1   = H(h0   | tokens[bs:2bs])        h1 == h1' only if both prefixes are equal
+    ...
+
+Two requests share block ``i`` exactly when their first ``(i+1)*bs`` tokens,
+their extra keys (a LoRA id, a multimodal hash) and their cache salt (a
+tenant) are equal.  Token ids are packed as little-endian signed 64-bit
+integers, so the digests are the same on every machine and process (never
+Python's ``hash``).
+
+Digest functions, by measurement (``benchmarks/bench_prefix.py``): hashlib's
+``sha256`` (the default; collision-resistant, so one tenant cannot forge a
+block that another tenant's request would read) costs ~2 us per block;
+``xxh3_128`` (PyPI ``xxhash``, the ``fast-hash`` extra) costs about half; its
+128 bits make an accidental collision negligible (~2^-64 after 2^32 blocks)
+but it is not collision-resistant against a chosen input, so use it only
+where every prompt comes from one trusted tenant.  ``blake2b`` (256-bit,
+hashlib) is the cryptographic alternative.
+
+A :class:`BlockHashes` is a value: :meth:`BlockHashes.update` returns a new
+one with the blocks that became full, and returns ``self`` when none did,
+so calling it every step costs almost nothing between block boundaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
+
+__all__ = ["HASH_FUNCTIONS", "BlockHash", "BlockHashes", "hash_function"]
+
+BlockHash = bytes
+HASH_FUNCTIONS = ("sha256", "blake2b", "xxh3_128")
+_TAG = b"kvfunc.prefix/1"
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _blake2b(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+def hash_function(name: str) -> Callable[[bytes], bytes]:
+    """The digest function called ``name`` (one of :data:`HASH_FUNCTIONS`).
+
+    Raises:
+        InvalidArgumentError: ``name`` is not a known function.
+        NotSupportedError: ``xxh3_128`` without the ``xxhash`` package.
+
+    >>> len(hash_function("sha256")(b"abc"))
+    32
+    >>> hash_function("md5")
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidArgumentError: unknown hash function 'md5'; ...
+    """
+    if name == "sha256":
+        return _sha256
+    if name == "blake2b":
+        return _blake2b
+    if name == "xxh3_128":
+        try:
+            import xxhash
+        except ImportError:
+            msg = ("hash function 'xxh3_128' needs the xxhash package "
+                   "(pip install kvfunc[fast-hash])")
+            raise NotSupportedError(msg) from None
+        fn: Callable[[bytes], bytes] = xxhash.xxh3_128_digest
+        return fn
+    msg = f"unknown hash function {name!r}; choose one of {list(HASH_FUNCTIONS)}"
+    raise InvalidArgumentError(msg)
+
+
+def _encode_key(key: object) -> bytes:
+    """One extra key as tagged, length-prefixed bytes (so keys never run together)."""
+    if isinstance(key, bool) or not isinstance(key, str | bytes | int):
+        msg = f"extra keys and the cache salt must be str, bytes or int, got {key!r}"
+        raise InvalidTypeError(msg)
+    if isinstance(key, str):
+        tag, raw = b"s", key.encode()
+    elif isinstance(key, bytes):
+        tag, raw = b"b", key
+    else:
+        tag, raw = b"i", str(key).encode()
+    return tag + struct.pack("<I", len(raw)) + raw
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64 bytes; anything else is a typed error."""
+    try:
+        packed = array("q", token_ids)
+    except (TypeError, OverflowError) as exc:
+        msg = f"token ids must be ints in the int64 range: {exc}"
+        raise InvalidTypeError(msg) from None
+    if struct.pack("=h", 1) != struct.pack("<h", 1):  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+@attrs.frozen(slots=True)
+class BlockHashes:
+    """The chained hashes of a request's full blocks (see the module docstring).
+
+    Attributes:
+        block_size: tokens per hashed block.  Every caching group's block
+            size must be a multiple of it (a group block of ``m`` hashed
+            blocks is named by the hash of its last one).
+        hash_fn: a name from :data:`HASH_FUNCTIONS`.
+        root: the digest the first block chains from (salt and extra keys).
+        hashes: one digest per full block, in order.
+        token_ids: the token ids of those full blocks.
+
+    >>> h = BlockHashes.of(range(40), block_size=16)
+    >>> len(h.hashes), h.num_tokens
+    (2, 32)
+    >>> h.update(range(47)) is h      # no new full block: the same value
+    True
+    >>> len(h.update(range(48)).hashes)
+    3
+    >>> BlockHashes.of(range(32), 16).hashes == h.hashes
+    True
+    >>> BlockHashes.of(range(32), 16, cache_salt="tenant-b").hashes == h.hashes
+    False
+    """
+
+    block_size: int
+    hash_fn: str
+    root: bytes
+    hashes: tuple[BlockHash, ...] = ()
+    token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], block_size: int, *, hash_fn: str = "sha256",
+           extra_keys: Sequence[str | bytes | int] = (),
+           cache_salt: str | bytes | None = None) -> BlockHashes:
+        """Hash the full blocks of ``token_ids``.
+
+        ``extra_keys`` (a LoRA name, multimodal hashes) and ``cache_salt`` (a
+        tenant) enter every block's hash through the root, so requests that
+        differ in them never share blocks.
+
+        Raises:
+            InvalidArgumentError: ``block_size`` is not a positive int, or an
+                unknown ``hash_fn``.
+            InvalidTypeError: token ids, extra keys or salt of a wrong type.
+
+        >>> BlockHashes.of([1, 2, 3], 2).hashes[0].hex()[:8]
+        '4cd2c7c5'
+        """
+        if type(block_size) is not int or block_size <= 0:
+            msg = f"block_size must be a positive int, got {block_size!r}"
+            raise InvalidArgumentError(msg)
+        fn = hash_function(hash_fn)
+        if isinstance(extra_keys, str | bytes) or not isinstance(extra_keys, Sequence):
+            msg = f"extra_keys must be a sequence of keys, got {extra_keys!r}"
+            raise InvalidTypeError(msg)
+        seed = [_TAG]
+        seed.append(b"-" if cache_salt is None else _encode_key(cache_salt))
+        seed.extend(_encode_key(k) for k in extra_keys)
+        return cls(block_size, hash_fn, fn(b"".join(seed))).update(token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens covered by the hashed full blocks."""
+        return len(self.hashes) * self.block_size
+
+    def update(self, token_ids: Sequence[int]) -> BlockHashes:
+        """Hash the blocks that became full; ``token_ids`` is the request's whole sequence.
+
+        The sequence must extend the one hashed so far (prompt, then the
+        generated tokens); only the tokens after :attr:`num_tokens` are read.
+
+        >>> h = BlockHashes.of([], 2)
+        >>> h.update([5, 6, 7]).token_ids
+        (5, 6)
+        >>> h.update([5, "x"])
+        Traceback (most recent call last):
+        ...
+        kvfunc.core._errors.InvalidTypeError: token ids must be ints in the int64 range: ...
+        """
+        bs = self.block_size
+        done = len(self.hashes)
+        full = len(token_ids) // bs
+        if full <= done:
+            return self
+        fresh = token_ids[done * bs:full * bs]
+        data = _pack(fresh)
+        fn = hash_function(self.hash_fn)
+        parent = self.hashes[-1] if done else self.root
+        width = 8 * bs
+        out = []
+        for i in range(0, len(data), width):
+            parent = fn(parent + data[i:i + width])
+            out.append(parent)
+        return BlockHashes(bs, self.hash_fn, self.root, self.hashes + tuple(out),
+                           self.token_ids + tuple(fresh))
+
+    def parent_hash(self, index: int) -> BlockHash | None:
+        """The hash block ``index`` chains from (``None`` for the first block)."""
+        return self.hashes[index - 1] if index else None
+
+    def block_token_ids(self, index: int) -> tuple[int, ...]:
+        """The token ids of hashed block ``index``."""
+        bs = self.block_size
+        return self.token_ids[index * bs:(index + 1) * bs]
+
+
+def check_block_hashes(value: Any) -> BlockHashes:
+    """``value`` if it is a :class:`BlockHashes`, else a typed error."""
+    if not isinstance(value, BlockHashes):
+        msg = f"block_hashes must be a BlockHashes, got {type(value).__name__}"
+        raise InvalidTypeError(msg)
+    return value

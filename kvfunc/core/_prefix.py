@@ -1,0 +1,339 @@
+"""Prefix caching: look up a request's cached prefix and allocate with it.
+
+Theory of operation
+-------------------
+A state created with ``enable_prefix_caching=True`` counts references and
+caches full blocks under their chained hash (:class:`~kvfunc.BlockHashes`).
+A scheduler admits a request in two steps, like vLLM's:
+
+1. ``hit = lookup_prefix(state, hashes, max_tokens=len(prompt) - 1)`` finds
+   the longest prefix that is cached for *every* group at once;
+2. ``allocate_slots(state, rid, hit.num_tokens, len(prompt) - hit.num_tokens,
+   block_hashes=hashes, prefix_hit=hit)`` puts the hit blocks in the new
+   request's tables (shared, reference counted) and allocates the rest.
+
+Later calls pass ``block_hashes`` too, so that each block caches itself once
+it is full (once the tokens scheduled in the step cover it).
+
+What a hit of ``L`` tokens needs, per group (``L`` is a multiple of every
+group's block size)::
+
+    full attention   every block before L cached         [h0 h1 h2 h3] L = 4 blocks
+    sliding window   only the blocks inside the window   [ -  - h2 h3] window 2 blocks
+    state (Mamba)    a state saved exactly at L          (copied into a new block)
+
+Full attention hits are prefix-closed, sliding windows and states are not,
+so the lookup tries lengths from the full-attention hit downwards until every
+group accepts one.  States are saved by copying the running state into a
+cached block whenever a request's computed tokens reach a multiple of the
+state group's block size; a hit copies the saved state into the new
+request's own block (states change in place, so they are never shared).
+
+Deferred work: copy-on-write copies, block caching and saved states run at
+the end of the transition (:func:`finish_cached`), in that order, so that a
+replay that applies copies after appends gets the same block ids.
+"""
+
+from __future__ import annotations
+
+from math import lcm
+from typing import Any
+
+import attrs
+
+from kvfunc.core._cache_transient import CacheGroupTransient
+from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, DeltaBuilder
+from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
+from kvfunc.core._hashing import BlockHashes, check_block_hashes
+from kvfunc.core._state import NULL_BLOCK, BlockId, FrozenDict, KVState, RequestId
+from kvfunc.core._transient import Transient
+from kvfunc.core._transitions import apply_plan, plan_group
+
+__all__ = ["PrefixHit", "allocate_cached", "check_prefix_args", "finish_cached",
+           "lookup_prefix"]
+
+
+@attrs.frozen(slots=True)
+class PrefixHit:
+    """The cached prefix of a request: what :func:`lookup_prefix` found.
+
+    Attributes:
+        num_tokens: tokens whose KV is cached (pass as ``computed_tokens``).
+        block_ids: per group, the table the hit gives the request (null
+            entries before a sliding window; a state group's saved block).
+        query_tokens: tokens that were looked up (for the hit rate).
+    """
+
+    num_tokens: int
+    block_ids: FrozenDict[str, tuple[BlockId, ...]]
+    query_tokens: int
+
+
+def _require_caching(state: KVState, what: str) -> None:
+    if not state.prefix_caching:
+        msg = f"{what} needs a state created with enable_prefix_caching=True"
+        raise NotSupportedError(msg)
+
+
+def _ratio(block_size: int, hashes: BlockHashes, key: str) -> int:
+    if block_size % hashes.block_size:
+        msg = (f"group {key!r} has block_size {block_size}, not a multiple of the hashes' "
+               f"block_size {hashes.block_size}")
+        raise InvalidArgumentError(msg)
+    return block_size // hashes.block_size
+
+
+def lookup_prefix(state: KVState, block_hashes: BlockHashes, *,
+                  max_tokens: int | None = None) -> PrefixHit:
+    """The longest prefix of ``block_hashes`` cached in every group (a query).
+
+    ``max_tokens`` caps the hit (pass ``len(prompt) - 1`` so that at least
+    one token is computed).
+
+    Raises:
+        NotSupportedError: the state has no prefix cache.
+        InvalidTypeError, InvalidArgumentError: bad hashes or cap, or a group
+            block size that is not a multiple of the hashes' block size.
+
+    >>> from kvfunc.core import BlockHashes, FullAttention, KVState, allocate_slots
+    >>> s = KVState.create({"full": FullAttention(num_blocks=8, block_size=4)}, 64,
+    ...                    enable_prefix_caching=True)
+    >>> h = BlockHashes.of(range(10), 4)
+    >>> s = allocate_slots(s, "a", 0, 10, block_hashes=h).state
+    >>> hit = lookup_prefix(s, h, max_tokens=9)
+    >>> hit.num_tokens, dict(hit.block_ids)
+    (8, {'full': (1, 2)})
+    """
+    _require_caching(state, "lookup_prefix")
+    hashes = check_block_hashes(block_hashes)
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
+        msg = f"max_tokens must be None or a non-negative int, got {max_tokens!r}"
+        raise InvalidArgumentError(msg)
+    hbs, hs = hashes.block_size, hashes.hashes
+    tr = Transient(state)
+    groups: list[CacheGroupTransient] = list(tr.groups)  # type: ignore[arg-type]
+    step = lcm(*(g.block_size for g in groups)) if groups else 1
+    ratios = [_ratio(g.block_size, hashes, g.key) for g in groups]
+    limit = len(hs) * hbs
+    query = limit if max_tokens is None else min(limit, max_tokens)
+    best = query
+    for g, m in zip(groups, ratios, strict=True):  # full attention: one forward scan
+        if g.grows and g.window is None and not g.may_skip:
+            j = 0
+            while (j + 1) * g.block_size <= best and g.lookup(hs[(j + 1) * m - 1]):
+                j += 1
+            best = j * g.block_size
+    best -= best % step
+    memo: dict[tuple[int, int], bool] = {}
+
+    def cached(i: int, pos: int) -> bool:  # is group i's block at ``pos`` cached?
+        got = memo.get((i, pos))
+        if got is None:
+            got = memo[(i, pos)] = bool(groups[i].lookup(hs[(pos + 1) * ratios[i] - 1]))
+        return got
+
+    def accepts(i: int, length: int) -> bool:
+        g = groups[i]
+        bs = g.block_size
+        if not g.grows:
+            return cached(i, length // bs - 1)
+        if g.window is not None:
+            first = max(0, length - g.window + 1) // bs
+            return all(cached(i, p) for p in range(length // bs - 1, first - 1, -1))
+        return g.window is None and not g.may_skip  # a full group accepts any shorter length
+
+    while best > 0 and not all(accepts(i, best) for i in range(len(groups))):
+        best -= step
+    tables: dict[str, tuple[BlockId, ...]] = {}
+    for i, g in enumerate(groups):
+        bs, m = g.block_size, ratios[i]
+        if best == 0:
+            tables[g.key] = ()
+        elif not g.grows:
+            tables[g.key] = (g.lookup(hs[best // hbs - 1])[0],)
+        else:
+            first = 0 if g.window is None else max(0, best - g.window + 1) // bs
+            tables[g.key] = (NULL_BLOCK,) * first + tuple(
+                g.lookup(hs[(p + 1) * m - 1])[0] for p in range(first, best // bs))
+    return PrefixHit(best, FrozenDict(tables), query)
+
+
+def check_prefix_args(state: KVState, request_id: RequestId, computed: int,
+                      manager_keys: Any, block_hashes: object, prefix_hit: object) -> None:
+    """Checks the caching arguments of an allocation before anything changes."""
+    if block_hashes is None and prefix_hit is None:
+        return
+    _require_caching(state, "block_hashes / prefix_hit")
+    if block_hashes is not None:
+        hashes = check_block_hashes(block_hashes)
+        for g in state.groups:
+            _ratio(g.policy.block_size, hashes, g.key)
+    if prefix_hit is None:
+        return
+    if not isinstance(prefix_hit, PrefixHit):
+        raise InvalidTypeError(f"prefix_hit must be a PrefixHit, got {type(prefix_hit).__name__}")
+    if block_hashes is None:
+        raise InvalidArgumentError("a prefix_hit needs the block_hashes it was looked up with")
+    if manager_keys is not None:
+        raise InvalidArgumentError("a prefix_hit applies to every group: manager_keys must be None")
+    if computed != prefix_hit.num_tokens:
+        msg = (f"computed_tokens must equal the hit's num_tokens ({prefix_hit.num_tokens}) "
+               f"when admitting with a prefix_hit, got {computed}")
+        raise InvalidArgumentError(msg)
+    if set(prefix_hit.block_ids) != set(state.manager_keys):
+        raise InvalidArgumentError("the prefix_hit was looked up on a state with other groups")
+    if any(request_id in g.tables for g in state.groups):
+        msg = f"request {request_id!r} is already registered; a prefix_hit admits new requests"
+        raise InvalidArgumentError(msg)
+
+
+def _hit_fits(g: CacheGroupTransient, entries: tuple[BlockId, ...], hashes: BlockHashes,
+              num_tokens: int) -> tuple[bool, int]:
+    """Whether the hit's blocks still hold its hashes, and how many are free now."""
+    hs, hash_of, refs = hashes.hashes, g.hash_of, g.refs
+    if not g.grows:
+        return hash_of[entries[0]] == hs[num_tokens // hashes.block_size - 1], 0
+    m = g.block_size // hashes.block_size
+    free = 0
+    for p, b in enumerate(entries):
+        if b:
+            if hash_of[b] != hs[(p + 1) * m - 1]:
+                return False, 0
+            if not refs[b]:
+                free += 1
+    return True, free
+
+
+def _cow_positions(g: CacheGroupTransient, table: tuple[BlockId, ...], computed: int,
+                   total: int) -> list[int]:
+    """Table positions the step writes whose block someone else holds too."""
+    refs = g.refs
+    if g.grows:
+        first, last = computed // g.block_size, min(len(table), -(-total // g.block_size))
+        return [p for p in range(first, last) if table[p] and refs[table[p]] > 1]
+    return [p for p, b in enumerate(table) if b and refs[b] > 1]
+
+
+def allocate_cached(tr: Transient, groups: Any, request_id: RequestId, computed: int,
+                    written: int, total: int, reserved: int, sink: DeltaBuilder,
+                    hashes: BlockHashes | None, hit: PrefixHit | None) -> bool:
+    """The per-request step on a caching transient; on refusal nothing changes."""
+    plans = []
+    for g in groups:
+        table = g.tables.get(request_id)
+        base, extra, src = table, 0, NULL_BLOCK
+        if hit is not None and hit.num_tokens:
+            entries = hit.block_ids[g.key]
+            assert hashes is not None
+            fits, extra = _hit_fits(g, entries, hashes, hit.num_tokens)
+            if not fits:
+                return False  # evicted since the lookup: the scheduler looks up again
+            if g.grows:
+                base = entries
+            else:
+                src = entries[0]
+        lo, k, nulls, need = plan_group(g, base, computed, total)
+        cow = _cow_positions(g, table, computed, total) if table else []
+        refs = g.refs
+        avail = g.count + sum(1 for p in range(lo, k) if refs[base[p]] == 1)  # type: ignore[index,unused-ignore]
+        if reserved:
+            avail -= g.policy.num_reserved_blocks(reserved, len(g.tables))
+        if need + extra + len(cow) > avail:
+            return False
+        plans.append((g, table, base, lo, k, nulls, need, src, cow))
+    rows = sink.cache_rows()
+    for g, table, base, lo, k, nulls, need, src, cow in plans:
+        key = g.key
+        if table is None and base is not None:  # admitted with a hit: share its blocks
+            sink.registered.append((key, request_id))
+            for b in base:
+                sink.appended.append((key, request_id, b))
+                if b:
+                    rows.shared.append((key, request_id, b))
+                    if g.share(b):
+                        rows.touched.append((key, b))
+            g.set_table(request_id, base)
+        apply_plan(g, request_id, base, lo, k, nulls, need, sink)
+        if src:
+            rows.copied.append((key, request_id, COPY_INTO_NEW, src, g.tables[request_id][0]))
+        for pos in cow:
+            g.count -= 1  # reserved now, taken when the transition finishes
+            g.pending.append(("cow", request_id, pos))
+        if hashes is not None:
+            if g.grows:
+                g.pending.append(("store", request_id, written, hashes))
+            elif computed and not computed % g.block_size and computed <= hashes.num_tokens:
+                g.pending.append(("save", request_id, computed, hashes))
+    if hit is not None:
+        rows.hits.append((request_id, hit.num_tokens, hit.query_tokens))
+    return True
+
+
+def finish_cached(tr: Transient, sink: DeltaBuilder) -> None:
+    """Run the deferred work of a caching transition: copies, caching, saved states."""
+    for g in tr.groups:
+        assert isinstance(g, CacheGroupTransient)
+        if g.pending:
+            rows = sink.cache_rows()
+            ops, g.pending = g.pending, []
+            for op in ops:
+                if op[0] == "cow":
+                    _copy_on_write(g, op[1], op[2], sink)
+            for op in ops:
+                if op[0] == "store":
+                    _store_full_blocks(g, op[1], op[2], op[3], rows.stored)
+            saved = 0
+            for op in ops:
+                if op[0] == "save" and g.count > saved + 1:
+                    saved += _save_state(g, op[1], op[2], op[3], sink)
+        if g.evicted:
+            sink.cache_rows().evicted.extend(g.evicted)
+            g.evicted = []
+
+
+def _copy_on_write(g: CacheGroupTransient, rid: RequestId, pos: int, sink: DeltaBuilder) -> None:
+    table = g.tables[rid]
+    src = table[pos]
+    g.count += 1  # the block reserved in phase 1
+    (dst,) = g.take(1)
+    g.set_table(rid, table[:pos] + (dst,) + table[pos + 1:])
+    g.release_blocks((src,))  # replay releases it at the copy row too (no freed row)
+    sink.cache_rows().copied.append((g.key, rid, pos, src, dst))
+
+
+def _store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
+                       hashes: BlockHashes, out: list[Any]) -> None:
+    """Cache the request's full blocks that are not cached yet (newest first found)."""
+    table = g.tables.get(rid)
+    if not table:
+        return
+    bs, hs, hash_of = g.block_size, hashes.hashes, g.hash_of
+    m = bs // hashes.block_size
+    full = min(len(hs) // m, written // bs, len(table))
+    p = full - 1
+    while p >= 0 and table[p] and hash_of[table[p]] is None:
+        p -= 1
+    key = g.key
+    for q in range(p + 1, full):
+        b, h = table[q], hs[(q + 1) * m - 1]
+        g.store(b, h)
+        out.append((key, b, h, hs[q * m - 1] if q else None,
+                    hashes.token_ids[q * bs:(q + 1) * bs]))
+
+
+def _save_state(g: CacheGroupTransient, rid: RequestId, computed: int, hashes: BlockHashes,
+                sink: DeltaBuilder) -> int:
+    """Copy the request's state into a cached block (1) unless it is cached already (0)."""
+    index = computed // hashes.block_size - 1
+    h = hashes.hashes[index]
+    table = g.tables.get(rid)
+    if not table or g.lookup(h):
+        return 0
+    (dst,) = g.take(1)
+    g.refs[dst] = 0
+    g.store(dst, h)
+    g.give((dst,))
+    rows = sink.cache_rows()
+    rows.copied.append((g.key, rid, COPY_SAVED, table[0], dst))
+    rows.stored.append((g.key, dst, h, hashes.hashes[index - 1] if index else None, ()))
+    return 1
