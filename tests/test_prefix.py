@@ -1,0 +1,289 @@
+"""Prefix caching, forks and hashing: examples that pin exact behaviour and block ids."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+
+import kvfunc as kf
+
+
+def _state(*, caching: bool = True, **groups: kf.Policy) -> kf.KVState:
+    return kf.KVState.create(groups or {"full": kf.FullAttention(num_blocks=12, block_size=4)},
+                             1024, enable_prefix_caching=caching)
+
+
+def _admit(state: kf.KVState, rid: object, toks: list[int]) -> kf.AllocationResult:
+    h = kf.BlockHashes.of(toks, 4)
+    hit = kf.lookup_prefix(state, h, max_tokens=len(toks) - 1)
+    return kf.allocate_slots(state, rid, hit.num_tokens, len(toks) - hit.num_tokens,  # type: ignore[arg-type]
+                             block_hashes=h, prefix_hit=hit)
+
+
+# -- hashing ---------------------------------------------------------------------------
+
+def test_hashes_chain_and_depend_on_every_earlier_token() -> None:
+    """Block i's hash changes when any token before its end changes, and only then."""
+    a = kf.BlockHashes.of(list(range(12)), 4).hashes
+    b = kf.BlockHashes.of([0, 1, 2, 99] + list(range(4, 12)), 4).hashes
+    c = kf.BlockHashes.of(list(range(8)) + [0, 0, 0, 0], 4).hashes
+    assert (a[0] != b[0], a[1] != b[1], a[2] != b[2]) == (True, True, True)
+    assert (a[0] == c[0], a[1] == c[1], a[2] != c[2]) == (True, True, True)
+
+
+def test_hashes_are_stable_across_processes() -> None:
+    """A block hash is sha256(parent | little-endian int64 tokens): no per-process salt."""
+    root = hashlib.sha256(b"kvfunc.prefix/1-").digest()
+    first = hashlib.sha256(root + struct.pack("<4q", 1, 2, 3, 4)).digest()
+    second = hashlib.sha256(first + struct.pack("<4q", -5, 6, 7, 2**40)).digest()
+    assert kf.BlockHashes.of([1, 2, 3, 4, -5, 6, 7, 2**40], 4).hashes == (first, second)
+
+
+@pytest.mark.parametrize("fn", kf.HASH_FUNCTIONS)
+def test_incremental_update_equals_hashing_at_once(fn: str) -> None:
+    """Updating token by token gives the hashes of one call over the whole sequence."""
+    toks = list(range(50, 90))
+    h = kf.BlockHashes.of([], 8, hash_fn=fn)
+    for i in range(len(toks) + 1):
+        h = h.update(toks[:i])
+    assert h == kf.BlockHashes.of(toks, 8, hash_fn=fn)
+    assert h.block_token_ids(1) == tuple(toks[8:16])
+    assert h.parent_hash(0) is None and h.parent_hash(2) == h.hashes[1]
+
+
+def test_salt_and_extra_keys_separate_requests() -> None:
+    """Different tenants (salt) or LoRA ids (extra keys) never share a block hash."""
+    base = kf.BlockHashes.of(range(8), 4).hashes
+    assert kf.BlockHashes.of(range(8), 4, cache_salt="t1").hashes[0] != base[0]
+    assert kf.BlockHashes.of(range(8), 4, extra_keys=("lora-7",)).hashes[0] != base[0]
+    assert kf.BlockHashes.of(range(8), 4, extra_keys=(7,)).hashes[0] != \
+        kf.BlockHashes.of(range(8), 4, extra_keys=("7",)).hashes[0]
+
+
+@pytest.mark.parametrize(("tokens", "kwargs", "error"), [
+    ([1.5, 2], {}, kf.InvalidTypeError),
+    (["a"], {}, kf.InvalidTypeError),
+    ([2**63], {}, kf.InvalidTypeError),
+    ([1], {"hash_fn": "md5"}, kf.InvalidArgumentError),
+    ([1], {"extra_keys": (None,)}, kf.InvalidTypeError),
+    ([1], {"extra_keys": "lora"}, kf.InvalidTypeError),
+    ([1], {"cache_salt": 3.0}, kf.InvalidTypeError),
+])
+def test_bad_hash_inputs_raise_typed_errors(tokens: list[object], kwargs: dict[str, object],
+                                            error: type[Exception]) -> None:
+    """Token ids of a wrong type, an unknown hash function, bad keys: typed errors."""
+    with pytest.raises(error):
+        kf.BlockHashes.of(tokens, 1, **kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_block_size_raises() -> None:
+    """A hash block size must be a positive int."""
+    with pytest.raises(kf.InvalidArgumentError):
+        kf.BlockHashes.of([1], 0)
+
+
+# -- hits, references, eviction ----------------------------------------------------------
+
+def test_repeated_prompt_hits_and_shares_blocks() -> None:
+    """A second request with the same prompt reuses its full blocks; counts go to 2."""
+    s = _admit(_state(), "a", list(range(10))).state
+    r = _admit(s, "b", list(range(10)))
+    assert kf.get_block_ids(r.state, "b") == {"full": (1, 2, 4)}
+    assert r.delta.shared_block_ids == (1, 2) and r.delta.hit_tokens == (8,)
+    assert list(r.state.group("full").cache.refs)[:5] == [0, 2, 2, 1, 1]  # type: ignore[union-attr]
+
+
+def test_hit_is_capped_so_one_token_is_computed() -> None:
+    """An identical prompt of whole blocks hits all but its last block."""
+    s = _admit(_state(), "a", list(range(8))).state
+    hit = kf.lookup_prefix(s, kf.BlockHashes.of(range(8), 4), max_tokens=7)
+    assert (hit.num_tokens, hit.block_ids["full"]) == (4, (1,))
+
+
+def test_freed_blocks_stay_cached_until_needed_then_lru_is_evicted() -> None:
+    """Freed cached blocks stay hittable; the least recently freed one is evicted first."""
+    s = _state(full=kf.FullAttention(num_blocks=7, block_size=4))
+    s = _admit(s, "a", list(range(9))).state           # blocks 1, 2, 3
+    s, _ = kf.free_request(s, "a")                     # queue: 4 5 6 | 3 2 1 (cached 1, 2)
+    s = _admit(s, "b", list(range(100, 109))).state    # takes 4 5 6
+    r = _admit(s, "c", list(range(200, 205)))          # takes 3, 2: evicts 2 (freed before 1)
+    assert kf.get_block_ids(r.state, "c") == {"full": (3, 2)}
+    assert r.delta.evicted_block_ids == (2,)
+    hit = kf.lookup_prefix(r.state, kf.BlockHashes.of(range(9), 4), max_tokens=8)
+    assert (hit.num_tokens, hit.block_ids["full"]) == (4, (1,))
+
+
+def test_hit_on_a_free_block_takes_it_out_of_the_queue() -> None:
+    """A touched free block leaves the free queue; free counts include cached blocks."""
+    s = _admit(_state(), "a", list(range(9))).state
+    s, _ = kf.free_request(s, "a")
+    assert kf.num_free_blocks(s, "full") == 11 and kf.num_cached_blocks(s, "full") == 2
+    r = _admit(s, "b", list(range(9)))
+    assert r.delta.touched_block_ids == (2, 1)[::-1] and kf.num_free_blocks(r.state, "full") == 8
+    assert 1 not in r.state.group("full").free_block_ids()
+
+
+def test_stale_hit_is_refused_and_changes_nothing() -> None:
+    """A hit whose block was evicted after the lookup is refused (the state is returned)."""
+    s = _state(full=kf.FullAttention(num_blocks=4, block_size=4))
+    s = _admit(s, "a", list(range(5))).state
+    s, _ = kf.free_request(s, "a")
+    h = kf.BlockHashes.of(range(5), 4)
+    hit = kf.lookup_prefix(s, h, max_tokens=4)
+    s2 = _admit(s, "x", list(range(50, 62))).state     # takes every block: evicts the hit
+    r = kf.allocate_slots(s2, "b", 4, 1, block_hashes=h, prefix_hit=hit)
+    assert hit.num_tokens == 4 and (r.ok, r.state is s2) == (False, True)
+
+
+def test_sliding_window_hybrid_hits_repeated_prompts() -> None:
+    """On full + sliding-window groups a repeated prompt hits; the window keeps only its blocks."""
+    s = _state(full=kf.FullAttention(num_blocks=20, block_size=4),
+               swa=kf.SlidingWindow(num_blocks=20, block_size=4, sliding_window=8))
+    toks = list(range(30))
+    s = _admit(s, "a", toks).state
+    s, _ = kf.free_request(s, "a")
+    r = _admit(s, "b", toks)
+    assert r.delta.hit_tokens == (28,)
+    assert kf.get_block_ids(r.state, "b")["swa"][:7] == (0, 0, 0, 0, 0, 1, 2)
+
+
+def test_sliding_window_needs_only_its_window_cached() -> None:
+    """Blocks that slid out of the window may be evicted: the hit stays valid."""
+    s = _state(full=kf.FullAttention(num_blocks=20, block_size=4),
+               swa=kf.SlidingWindow(num_blocks=6, block_size=4, sliding_window=4))
+    toks = list(range(24))
+    s = _admit(s, "a", toks).state
+    s, _ = kf.free_request(s, "a")
+    hit = kf.lookup_prefix(s, kf.BlockHashes.of(toks, 4), max_tokens=23)
+    assert hit.num_tokens == 20 and hit.block_ids["swa"] == (0, 0, 0, 0, 1)
+
+
+def test_mamba_state_is_saved_at_a_boundary_and_copied_on_hit() -> None:
+    """A state group caches a copy of the state at a block boundary; a hit copies it back."""
+    s = _state(full=kf.FullAttention(num_blocks=16, block_size=4),
+               mamba=kf.Mamba(num_blocks=8, block_size=8))
+    toks = list(range(100, 116))
+    s = _admit(s, 1, toks).state
+    r = kf.allocate_slots(s, 1, 16, 1, block_hashes=kf.BlockHashes.of(toks + [1], 4))
+    assert (r.delta.copied_positions, r.delta.copied_src_block_ids,
+            r.delta.copied_dst_block_ids) == ((kf.COPY_SAVED,), (1,), (2,))
+    r2 = _admit(r.state, 2, toks + [2, 3])
+    assert r2.delta.hit_tokens == (16,)
+    assert (r2.delta.copied_positions, r2.delta.copied_src_block_ids,
+            r2.delta.copied_dst_block_ids) == ((kf.COPY_INTO_NEW,), (2,), (3,))
+    assert kf.get_block_ids(r2.state, 2)["mamba"] == (3,)
+
+
+def test_mamba_without_a_saved_state_limits_the_hit() -> None:
+    """With no state saved at any candidate length the hybrid hit is 0."""
+    s = _state(full=kf.FullAttention(num_blocks=16, block_size=4),
+               mamba=kf.Mamba(num_blocks=8, block_size=8))
+    toks = list(range(100, 116))
+    s = _admit(s, 1, toks).state
+    hit = kf.lookup_prefix(s, kf.BlockHashes.of(toks + [5], 4), max_tokens=16)
+    assert hit.num_tokens == 0
+
+
+# -- forks ---------------------------------------------------------------------------------
+
+def test_fork_shares_then_copies_on_first_write() -> None:
+    """Parent and child share blocks; the first write to the shared partial block copies it."""
+    s = _state()
+    s = kf.allocate_slots(s, "p", 0, 6).state
+    s, d = kf.fork_request(s, "p", "c")
+    assert d.shared_block_ids == (1, 2) and kf.get_block_ids(s, "c") == {"full": (1, 2)}
+    r = kf.allocate_slots(s, "c", 6, 1)
+    assert (r.delta.copied_request_ids, r.delta.copied_positions) == (("c",), (1,))
+    r2 = kf.allocate_slots(r.state, "p", 6, 1)  # the parent now owns block 2 alone
+    assert r2.delta.copied_keys == () and kf.get_block_ids(r2.state, "p") == {"full": (1, 2)}
+    _, d3 = kf.free_request(r2.state, "p")
+    assert d3.freed_block_ids == (2,)  # block 1 is still the child's
+
+
+def test_fork_errors_change_nothing() -> None:
+    """Forking an unknown parent, into a known child, or without caching raises."""
+    s = kf.allocate_slots(_state(), "p", 0, 6).state
+    with pytest.raises(kf.UnknownRequestError):
+        kf.fork_request(s, "nobody", "c")
+    with pytest.raises(kf.InvalidArgumentError):
+        kf.fork_request(s, "p", "p")
+    with pytest.raises(kf.NotSupportedError):
+        kf.fork_request(kf.allocate_slots(_state(caching=False), "p", 0, 6).state, "p", "c")
+
+
+# -- resets, metrics, batches, replay --------------------------------------------------------
+
+def test_reset_forgets_everything_cached() -> None:
+    """After a reset nothing hits; running requests re-cache their blocks as they go on."""
+    toks = list(range(9))
+    s = _admit(_state(), "a", toks).state
+    s, d = kf.reset_prefix_cache(s)
+    assert d.cleared_keys == ("full",) and kf.num_cached_blocks(s, "full") == 0
+    h = kf.BlockHashes.of(toks + [9], 4)
+    s = kf.allocate_slots(s, "a", 9, 1, block_hashes=h).state
+    assert kf.num_cached_blocks(s, "full") == 2
+
+
+def test_stats_count_hits_and_evictions() -> None:
+    """PrefixCacheStats sums hit rows, stores and evictions of deltas."""
+    s = _state()
+    r1 = _admit(s, "a", list(range(9)))
+    r2 = _admit(r1.state, "b", list(range(9)))
+    stats = kf.PrefixCacheStats.of([r1.delta, r2.delta])
+    assert (stats.queries, stats.hits, stats.hit_tokens, stats.query_tokens) == (2, 1, 8, 16)
+    assert stats.stored_blocks == 2 and stats.hit_rate == 0.5
+
+
+def test_batch_with_hits_equals_sequential_calls() -> None:
+    """allocate_batch on a caching state equals allocate_slots one request at a time."""
+    s = _admit(_state(), "a", list(range(9))).state
+    h = kf.BlockHashes.of(range(9), 4)
+    hit = kf.lookup_prefix(s, h, max_tokens=8)
+    reqs = [kf.SlotRequest("b", 8, 1, 0, 0, None, h, hit), ("a", 9, 3)]
+    batch = kf.allocate_batch(s, reqs)
+    seq = kf.allocate_slots(s, "b", 8, 1, block_hashes=h, prefix_hit=hit).state
+    seq = kf.allocate_slots(seq, "a", 9, 3).state
+    assert batch.state == seq and batch.refused == ()
+    assert kf.replay(s, [batch.delta]) == batch.state
+
+
+def test_caching_off_keeps_the_seed_path() -> None:
+    """Without caching a state has no cache and frees in logical order (the seed's ids)."""
+    s = _state(caching=False)
+    assert not s.prefix_caching and s.group("full").cache is None
+    s, d = kf.free_request(kf.allocate_slots(s, "a", 0, 9).state, "a")
+    assert d.freed_block_ids == (1, 2, 3)
+    assert _state(caching=False) == kf.KVState.create(
+        {"full": kf.FullAttention(num_blocks=12, block_size=4)}, 1024)
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"block_hashes": kf.BlockHashes.of(range(8), 3)}, kf.InvalidArgumentError),
+    ({"block_hashes": "nope"}, kf.InvalidTypeError),
+    ({"prefix_hit": "nope", "block_hashes": kf.BlockHashes.of(range(8), 4)}, kf.InvalidTypeError),
+])
+def test_bad_caching_arguments_raise_before_any_change(kwargs: dict[str, object],
+                                                       error: type[Exception]) -> None:
+    """Hashes of a block size that does not divide the group's, or wrong types: typed errors."""
+    s = _state()
+    with pytest.raises(error):
+        kf.allocate_slots(s, "a", 0, 8, **kwargs)  # type: ignore[arg-type]
+
+
+def test_hit_arguments_must_match_the_admission() -> None:
+    """computed_tokens must equal the hit; hashes are required; caching must be on."""
+    s = _admit(_state(), "a", list(range(9))).state
+    h = kf.BlockHashes.of(range(9), 4)
+    hit = kf.lookup_prefix(s, h, max_tokens=8)
+    with pytest.raises(kf.InvalidArgumentError):
+        kf.allocate_slots(s, "b", 0, 9, block_hashes=h, prefix_hit=hit)
+    with pytest.raises(kf.InvalidArgumentError):
+        kf.allocate_slots(s, "b", 8, 1, prefix_hit=hit)
+    with pytest.raises(kf.InvalidArgumentError):
+        kf.allocate_slots(s, "a", 8, 1, block_hashes=h, prefix_hit=hit)
+    with pytest.raises(kf.NotSupportedError):
+        kf.lookup_prefix(_state(caching=False), h)
+    with pytest.raises(kf.NotSupportedError):
+        kf.allocate_slots(_state(caching=False), "a", 0, 9, block_hashes=h)

@@ -1,0 +1,267 @@
+"""Prefix caching against a model of the cache's *contents*.
+
+The machine drives a caching state with admissions (lookup + hit), decode
+steps, forks, frees and resets, and keeps its own record of what each block
+holds, written the way an engine writes KV (copies first, then the step's
+tokens into the request's blocks).  After every step it checks:
+
+* ``check_invariants`` (reference counts equal table membership, the hash
+  index matches the blocks, conservation) and ``replay(s0, deltas) == state``;
+* a hit never hands out a block whose tokens differ from the request's (a
+  saved state must be the state after exactly the hit's tokens);
+* no step writes a block that another request also holds (copy-on-write);
+* evictions follow LRU order: the evicted blocks are, in order, the cached
+  blocks that became free the longest ago (by the model's own rules);
+* old states are never changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvfunc as kf
+
+HBS = 4  # hash block size
+PROMPTS = [tuple(range(100, 100 + n)) for n in (6, 13, 16, 20)]  # shared system prompts
+
+
+def _configs() -> st.SearchStrategy[dict[str, Any]]:
+    full = st.builds(lambda n: kf.FullAttention(num_blocks=n, block_size=HBS),
+                     st.integers(8, 24))
+    swa = st.builds(lambda n, w: kf.SlidingWindow(num_blocks=n, block_size=HBS, sliding_window=w),
+                    st.integers(6, 16), st.integers(1, 12))
+    mamba = st.builds(lambda n: kf.Mamba(num_blocks=n, block_size=2 * HBS),
+                      st.integers(6, 16))
+    return st.one_of(
+        st.builds(lambda f: {"full": f}, full),
+        st.builds(lambda f, w: {"full": f, "swa": w}, full, swa),
+        st.builds(lambda f, m: {"full": f, "mamba": m}, full, mamba),
+    )
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """A caching state next to a model of block contents, references and LRU order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: kf.KVState
+        self.tokens: dict[int, list[int]] = {}  # running request -> its tokens
+        self.computed: dict[int, int] = {}
+        self.content: dict[tuple[str, int], Any] = {}  # (group, block) -> {slot: token} / state
+        self.lru: dict[str, list[int]] = {}  # cached free blocks, oldest first (model)
+        self.history: list[tuple[kf.KVState, Any]] = []
+        self.next_id = 0
+
+    @initialize(groups=_configs())
+    def create(self, groups: dict[str, Any]) -> None:
+        self.state = self.s0 = kf.KVState.create(groups, 64, enable_prefix_caching=True)
+        self.deltas: list[kf.BlocksChanged] = []
+        self.lru = {k: [] for k in groups}
+
+    # -- helpers ---------------------------------------------------------------------
+    def _hashes(self, rid: int) -> kf.BlockHashes:
+        return kf.BlockHashes.of(self.tokens[rid], HBS)
+
+    def _refs(self, key: str) -> dict[int, int]:
+        refs: dict[int, int] = {}
+        for table in self.state.group(key).tables.values():
+            for b in table:
+                if b:
+                    refs[b] = refs.get(b, 0) + 1
+        return refs
+
+    def _cached(self, key: str) -> set[int]:
+        cache = self.state.group(key).cache
+        assert cache is not None
+        return {b for blocks in cache.cached().values() for b in blocks}
+
+    def _commit(self, state: kf.KVState, delta: kf.BlocksChanged, freed_order: list[tuple[str, int]]
+                ) -> None:
+        """Apply ``delta`` to the model (LRU order, block contents), then publish ``state``.
+
+        Within one transition blocks are freed, then touched by hits, then
+        handed out (evicting), then states are saved: the model follows that order.
+        """
+        for key, block in freed_order:
+            if block in self._cached(key):  # cached before this transition: keeps its hash
+                self.lru[key].append(block)
+        for key, block in zip(delta.touched_keys, delta.touched_block_ids, strict=True):
+            self.lru[key].remove(block)
+        for key, block in zip(delta.evicted_keys, delta.evicted_block_ids, strict=True):
+            lru = self.lru[key]
+            assert lru and lru[0] == block, f"{key}: evicted {block}, LRU says {lru[:3]}"
+            lru.pop(0)
+        for key in delta.cleared_keys:
+            self.lru[key] = []
+        for name in ("touched_keys", "evicted_keys", "stored_keys", "shared_keys"):
+            if getattr(delta, name):
+                event(name)
+        for pos in delta.copied_positions:
+            event({kf.COPY_SAVED: "saved state", kf.COPY_INTO_NEW: "state hit"}.get(pos, "cow"))
+        if delta.hit_tokens and delta.hit_tokens[0]:
+            event("prefix hit")
+        copies = list(zip(delta.copied_keys, delta.copied_positions, delta.copied_src_block_ids,
+                          delta.copied_dst_block_ids, strict=True))
+        sources = {(k, s): self.content.get((k, s)) for k, _, s, _ in copies}
+        shared = set(zip(delta.shared_keys, delta.shared_block_ids, strict=True))
+        dsts = {(k, d) for k, _, _, d in copies}
+        for key, block in zip(delta.appended_keys, delta.appended_block_ids, strict=True):
+            if block and (key, block) not in shared and (key, block) not in dsts:
+                self.content[(key, block)] = None  # a new block: the shell zeroes it
+        for key, pos, src, dst in copies:
+            self.content[(key, dst)] = sources[(key, src)]
+            if pos == kf.COPY_SAVED:  # a saved state is a cached free block: youngest in LRU
+                self.lru[key].append(dst)
+        self.history.append((state, repr(get_all(state))))
+        self.state = state
+        self.deltas.append(delta)
+
+    @staticmethod
+    def _cached_after(state: kf.KVState, key: str) -> set[int]:
+        cache = state.group(key).cache
+        assert cache is not None
+        return {b for blocks in cache.cached().values() for b in blocks}
+
+    def _write(self, rid: int, start: int, end: int) -> None:
+        """The engine writes tokens ``start .. end-1`` of ``rid``: no shared block is written."""
+        toks = self.tokens[rid]
+        for g in self.state.groups:
+            table = g.tables.get(rid, ())
+            refs = self._refs(g.key)
+            if not g.policy.grows_with_tokens:
+                if table:
+                    assert refs[table[0]] == 1, f"{g.key}: writes state block {table[0]} it shares"
+                    self.content[(g.key, table[0])] = tuple(toks[:end])
+                continue
+            bs = g.policy.block_size
+            for t in range(start, end):
+                p = t // bs
+                if p < len(table) and table[p]:
+                    b = table[p]
+                    assert refs[b] == 1, f"{g.key}: {rid} writes block {b} that others hold"
+                    slots = dict(self.content.get((g.key, b)) or {})
+                    slots[t % bs] = toks[t]
+                    self.content[(g.key, b)] = slots
+
+    def _check_hit(self, hit: kf.PrefixHit, toks: list[int]) -> None:
+        for g in self.state.groups:
+            entries = hit.block_ids[g.key]
+            if not g.policy.grows_with_tokens:
+                if hit.num_tokens:
+                    got = self.content.get((g.key, entries[0]))
+                    assert got == tuple(toks[:hit.num_tokens]), f"{g.key}: saved state differs"
+                continue
+            bs = g.policy.block_size
+            for p, b in enumerate(entries):
+                if b:
+                    want = {i: toks[p * bs + i] for i in range(bs)}
+                    assert self.content.get((g.key, b)) == want, f"{g.key}: block {b} differs"
+
+    def _released(self, key: str, before: kf.KVState, rid: int) -> list[tuple[str, int]]:
+        """Blocks whose last holder is ``rid`` in ``key``, in the order they are freed."""
+        table = before.group(key).tables.get(rid, ())
+        refs = {}
+        for t in before.group(key).tables.values():
+            for b in t:
+                refs[b] = refs.get(b, 0) + 1
+        return [(key, b) for b in reversed(table) if b and refs[b] == 1]
+
+    # -- rules -----------------------------------------------------------------------
+    @rule(prompt=st.sampled_from(PROMPTS), suffix=st.lists(st.integers(0, 3), max_size=9))
+    def admit(self, prompt: tuple[int, ...], suffix: list[int]) -> None:
+        rid = self.next_id
+        self.next_id += 1
+        toks = list(prompt) + suffix
+        h = kf.BlockHashes.of(toks, HBS)
+        hit = kf.lookup_prefix(self.state, h, max_tokens=len(toks) - 1)
+        self._check_hit(hit, toks)
+        res = kf.allocate_slots(self.state, rid, hit.num_tokens, len(toks) - hit.num_tokens,
+                                block_hashes=h, prefix_hit=hit)
+        if not res.ok:
+            assert res.state is self.state
+            return
+        self.tokens[rid] = toks
+        self.computed[rid] = len(toks)
+        freed = [(k, b) for k, b in zip(res.delta.freed_keys, res.delta.freed_block_ids,
+                                        strict=True)]
+        self._commit(res.state, res.delta, freed)
+        self._write(rid, hit.num_tokens, len(toks))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    def decode(self, data: st.DataObject, new: list[int]) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        start = self.computed[rid]
+        toks = self.tokens[rid] + new
+        h = kf.BlockHashes.of(toks, HBS)
+        res = kf.allocate_slots(self.state, rid, start, len(new), block_hashes=h)
+        if not res.ok:
+            assert res.state is self.state
+            return
+        self.tokens[rid] = toks
+        self.computed[rid] = len(toks)
+        freed = [(k, b) for k, b in zip(res.delta.freed_keys, res.delta.freed_block_ids,
+                                        strict=True)]
+        self._commit(res.state, res.delta, freed)
+        self._write(rid, start, len(toks))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child = self.next_id
+        self.next_id += 1
+        state, delta = kf.fork_request(self.state, parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.computed[child] = self.computed[parent]
+        self._commit(state, delta, [])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        order = [kb for g in self.state.groups for kb in self._released(g.key, self.state, rid)]
+        state, delta = kf.free_request(self.state, rid)
+        assert list(zip(delta.freed_keys, delta.freed_block_ids, strict=True)) == order
+        del self.tokens[rid], self.computed[rid]
+        self._commit(state, delta, order)
+
+    @rule()
+    def reset(self) -> None:
+        state, delta = kf.reset_prefix_cache(self.state)
+        self._commit(state, delta, [])
+        assert all(kf.num_cached_blocks(state, k) == 0 for k in state.manager_keys)
+
+    # -- invariants ------------------------------------------------------------------
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "s0"):
+            return
+        kf.check_invariants(self.state)
+        assert kf.replay(self.s0, self.deltas) == self.state
+
+    @invariant()
+    def old_states_unchanged(self) -> None:
+        for state, text in self.history[-3:]:
+            assert repr(get_all(state)) == text
+
+    @invariant()
+    def lru_matches_free_cached_blocks(self) -> None:
+        if not hasattr(self, "s0"):
+            return
+        for g in self.state.groups:
+            cached_free = [b for b in g.free_block_ids() if b in self._cached(g.key)]
+            assert cached_free == self.lru[g.key], f"{g.key}: {cached_free} != {self.lru[g.key]}"
+
+
+def get_all(state: kf.KVState) -> Any:
+    """Everything observable about a state, for the unchanged-history check."""
+    return [(g.key, dict(g.tables), g.free_block_ids(),
+             None if g.cache is None else g.cache.identity()) for g in state.groups]
+
+
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
