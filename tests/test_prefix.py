@@ -287,3 +287,16 @@ def test_hit_arguments_must_match_the_admission() -> None:
         kf.lookup_prefix(_state(caching=False), h)
     with pytest.raises(kf.NotSupportedError):
         kf.allocate_slots(_state(caching=False), "a", 0, 9, block_hashes=h)
+
+
+def test_compat_manager_refuses_a_caching_state() -> None:
+    """The seed-compatible facade restores only plain states (it has no prefix cache)."""
+    from kvfunc.compat import FullAttentionManager, KVCacheManager
+
+    mgr = KVCacheManager(1024, [FullAttentionManager("FullAttention", 12, 4)], None)
+    plain = mgr.state
+    caching = kf.KVState.create({"FullAttention": kf.FullAttention(num_blocks=12, block_size=4)},
+                                1024, enable_prefix_caching=True)
+    with pytest.raises(kf.InvalidArgumentError):
+        mgr.restore(caching)
+    assert mgr.state is plain

@@ -53,6 +53,9 @@ class Store:
         if mine != theirs or state.max_model_len != current.max_model_len:
             msg = f"cannot restore a state with groups {theirs} into a manager with {mine}"
             raise InvalidArgumentError(msg)
+        if state.prefix_caching:
+            msg = "the seed-compatible manager has no prefix cache: restore a plain state"
+            raise InvalidArgumentError(msg)
         self.tr = Transient(state)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from pyrsistent import pvector
 
-from kvfunc.core._cache_state import GroupCache
+from kvfunc.core._cache_state import FANOUT, GroupCache, empty_index
 from kvfunc.core._state import FREE_CHUNK, NULL_BLOCK, BlockId, GroupState
 from kvfunc.core._transient import GroupTransient
 
@@ -33,8 +33,8 @@ __all__ = ["CacheGroupTransient"]
 class CacheGroupTransient(GroupTransient):
     """Working copy of a :class:`GroupState` with a :class:`GroupCache`."""
 
-    __slots__ = ("entries", "evicted", "hash_of", "owned_shards", "pending", "refs", "shards",
-                 "stale")
+    __slots__ = ("cache_src", "entries", "evicted", "hash_of", "owned_shards", "pending", "refs",
+                 "shards", "stale", "writable")
 
     counts_refs = True
 
@@ -45,17 +45,30 @@ class CacheGroupTransient(GroupTransient):
         self.pending: list[tuple[Any, ...]] = []
 
     def _open(self, cache: GroupCache | None) -> None:
+        """Read the published cache; vectors turn into evolvers on the first write."""
         assert cache is not None
-        self.refs = cache.refs.evolver()
-        self.hash_of = cache.hash_of.evolver()
-        self.stale = cache.stale.evolver()
+        self.cache_src = cache
+        self.refs: Any = cache.refs
+        self.hash_of: Any = cache.hash_of
+        self.stale: Any = cache.stale
         self.shards: Any = cache.by_hash
-        self.owned_shards: set[int] | None = None
+        self.owned_shards: set[int] | None = None  # rows, and row * FANOUT + column + FANOUT
         self.entries = cache.num_entries
+        self.writable = False
+
+    def writing(self) -> None:
+        """Make the per-block vectors editable (once per transition, on the first write)."""
+        if not self.writable:
+            self.refs = self.refs.evolver()
+            self.hash_of = self.hash_of.evolver()
+            self.stale = self.stale.evolver()
+            self.writable = True
+            self.changed = True
 
     # -- the queue ---------------------------------------------------------------
     def take(self, n: int) -> tuple[BlockId, ...]:
         """Pop ``n`` live ids from the head, evicting their cached hashes."""
+        self.writing()
         out: list[BlockId] = []
         refs, stale, hash_of = self.refs, self.stale, self.hash_of
         h = self.head
@@ -83,6 +96,7 @@ class CacheGroupTransient(GroupTransient):
         new = ids if isinstance(ids, list | tuple) else list(ids)
         if not new:
             return
+        self.writing()
         if self.entries + len(new) > self.cap:
             self._compact()
         self._write((self.head + self.entries) % self.cap, new)
@@ -122,6 +136,7 @@ class CacheGroupTransient(GroupTransient):
     # -- references ----------------------------------------------------------------
     def release_blocks(self, ids: list[BlockId] | tuple[BlockId, ...]) -> list[BlockId]:
         """Drop one reference to each of ``ids``; free (in order) those that reach 0."""
+        self.writing()
         refs = self.refs
         freed = []
         for b in ids:
@@ -135,6 +150,7 @@ class CacheGroupTransient(GroupTransient):
 
     def share(self, b: BlockId) -> bool:
         """Add a reference to ``b``; True when it was free (it leaves the queue)."""
+        self.writing()
         r = self.refs[b]
         self.refs[b] = r + 1
         self.changed = True
@@ -145,33 +161,43 @@ class CacheGroupTransient(GroupTransient):
         return True
 
     # -- the hash index ------------------------------------------------------------
-    def _shard(self, index: int) -> dict[bytes, tuple[BlockId, ...]]:
+    def _shard(self, block_hash: bytes) -> dict[bytes, tuple[BlockId, ...]]:
+        """The dict holding ``block_hash``, copied (with the tuples above it) on first write."""
         owned = self.owned_shards
         if owned is None:
             self.shards = list(self.shards)
             owned = self.owned_shards = set()
-        shard: dict[bytes, tuple[BlockId, ...]] = self.shards[index]
-        if index not in owned:
-            shard = self.shards[index] = dict(shard)
-            owned.add(index)
+        r, c = block_hash[0] & (FANOUT - 1), block_hash[1] & (FANOUT - 1)
+        row = self.shards[r]
+        if r not in owned:
+            row = self.shards[r] = list(row)
+            owned.add(r)
+        cell = FANOUT + r * FANOUT + c
+        shard: dict[bytes, tuple[BlockId, ...]] = row[c]
+        if cell not in owned:
+            shard = row[c] = dict(shard)
+            owned.add(cell)
         return shard
 
     def lookup(self, block_hash: bytes) -> tuple[BlockId, ...]:
         """Blocks cached under ``block_hash`` (oldest first)."""
-        result: tuple[BlockId, ...] = self.shards[block_hash[0]].get(block_hash, ())
+        result: tuple[BlockId, ...] = self.shards[block_hash[0] & (FANOUT - 1)][
+            block_hash[1] & (FANOUT - 1)].get(block_hash, ())
         return result
 
     def store(self, b: BlockId, block_hash: bytes) -> None:
         """Cache ``b`` (a full block) under ``block_hash``."""
+        self.writing()
         self.hash_of[b] = block_hash
-        shard = self._shard(block_hash[0])
+        shard = self._shard(block_hash)
         shard[block_hash] = shard.get(block_hash, ()) + (b,)
         self.changed = True
 
     def evict(self, b: BlockId, block_hash: bytes) -> None:
         """Forget that ``b`` caches ``block_hash`` (recorded for the delta)."""
+        self.writing()
         self.hash_of[b] = None
-        shard = self._shard(block_hash[0])
+        shard = self._shard(block_hash)
         rest = tuple(x for x in shard[block_hash] if x != b)
         if rest:
             shard[block_hash] = rest
@@ -182,20 +208,30 @@ class CacheGroupTransient(GroupTransient):
 
     def clear_cache(self) -> int:
         """Forget every cached hash (held blocks stay held); returns how many were cached."""
+        self.writing()
         hash_of = self.hash_of
         n = 0
         for b in range(self.policy.num_blocks):
             if hash_of[b] is not None:
                 hash_of[b] = None
                 n += 1
-        self.shards = tuple({} for _ in self.shards)
+        self.shards = empty_index()
         self.owned_shards = None
         self.changed = True
         return n
 
     # -- freezing ------------------------------------------------------------------
     def _frozen_cache(self) -> GroupCache:
-        cache = GroupCache(self.refs.persistent(), self.hash_of.persistent(), tuple(self.shards),
+        if not self.writable:
+            return self.cache_src
+        shards = self.shards
+        owned = self.owned_shards
+        if owned is not None:
+            for r in owned:
+                if r < FANOUT:
+                    shards[r] = tuple(shards[r])
+            shards = tuple(shards)
+        cache = GroupCache(self.refs.persistent(), self.hash_of.persistent(), shards,
                            self.stale.persistent(), self.entries)
         self._open(cache)  # the published vectors and shards are shared from now on
         return cache

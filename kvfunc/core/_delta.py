@@ -144,27 +144,25 @@ class CacheRows:
         self.cleared: list[str] = []
         self.hits: list[tuple[RequestId, int, int]] = []
 
-    def columns(self) -> dict[str, tuple[Any, ...]]:
-        """The rows as ``BlocksChanged`` keyword arguments."""
-        out: dict[str, tuple[Any, ...]] = {}
-        for rows, names in ((self.copied, _COPIED), (self.shared, _SHARED),
-                            (self.touched, _TOUCHED), (self.stored, _STORED),
-                            (self.evicted, _EVICTED), (self.hits, _HITS)):
-            if rows:
-                out.update(zip(names, zip(*rows, strict=True), strict=True))
-        if self.cleared:
-            out["cleared_keys"] = tuple(self.cleared)
-        return out
+    def columns(self) -> tuple[tuple[Any, ...], ...]:
+        """The rows as the ``BlocksChanged`` columns after ``appended_*``, in field order."""
+        out: list[tuple[Any, ...]] = []
+        copied = self.copied
+        if copied:
+            keys, rids, positions, srcs, dsts = zip(*copied, strict=True)
+            out += (keys, srcs, dsts, rids, positions)
+        else:
+            out += (_EMPTY,) * 5
+        for rows, width in ((self.shared, 3), (self.touched, 2), (self.stored, 5),
+                            (self.evicted, 3)):
+            out += tuple(zip(*rows, strict=True)) if rows else (_EMPTY,) * width
+        out.append(tuple(self.cleared))
+        out += tuple(zip(*self.hits, strict=True)) if self.hits else (_EMPTY,) * 3
+        return tuple(out)
 
-
-_COPIED = ("copied_keys", "copied_request_ids", "copied_positions", "copied_src_block_ids",
-           "copied_dst_block_ids")
-_SHARED = ("shared_keys", "shared_request_ids", "shared_block_ids")
-_TOUCHED = ("touched_keys", "touched_block_ids")
-_STORED = ("stored_keys", "stored_block_ids", "stored_hashes", "stored_parent_hashes",
-           "stored_token_ids")
-_EVICTED = ("evicted_keys", "evicted_block_ids", "evicted_hashes")
-_HITS = ("hit_request_ids", "hit_tokens", "hit_query_tokens")
+    def __bool__(self) -> bool:
+        return bool(self.copied or self.shared or self.touched or self.stored or self.evicted
+                    or self.cleared or self.hits)
 
 
 class DeltaBuilder:
@@ -189,18 +187,18 @@ class DeltaBuilder:
 
     def build(self) -> BlocksChanged:
         """Freeze the collected rows into one columnar record."""
-        if self.cache is not None:
-            columns: dict[str, Any] = self.cache.columns()
-            return attrs.evolve(self._build(), **columns)
-        return self._build()
-
-    def _build(self) -> BlocksChanged:
-        if not (self.registered or self.nulled or self.freed or self.released or self.appended):
+        cache = self.cache
+        if not (self.registered or self.nulled or self.freed or self.released or self.appended
+                or cache):
             return EMPTY_DELTA
         reg = tuple(zip(*self.registered, strict=True)) or (_EMPTY, _EMPTY)
         nul = tuple(zip(*self.nulled, strict=True)) or (_EMPTY, _EMPTY, _EMPTY)
         fre = tuple(zip(*self.freed, strict=True)) or (_EMPTY, _EMPTY)
         rel = tuple(zip(*self.released, strict=True)) or (_EMPTY, _EMPTY)
         app = tuple(zip(*self.appended, strict=True)) or (_EMPTY, _EMPTY, _EMPTY)
+        if cache:
+            return BlocksChanged(DELTA_VERSION, reg[0], reg[1], nul[0], nul[1], nul[2], fre[0],
+                                 fre[1], rel[0], rel[1], app[0], app[1], app[2],
+                                 *cache.columns())
         return BlocksChanged(DELTA_VERSION, reg[0], reg[1], nul[0], nul[1], nul[2], fre[0], fre[1],
                              rel[0], rel[1], app[0], app[1], app[2])

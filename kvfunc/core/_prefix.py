@@ -221,6 +221,11 @@ def allocate_cached(tr: Transient, groups: Any, request_id: RequestId, computed:
     plans = []
     for g in groups:
         table = g.tables.get(request_id)
+        if table and hit is None and not reserved and g.grows and _quiet(g, table, computed, total):
+            # The common decode step: no new block, nothing slid out, nothing shared written.
+            if hashes is not None and _uncached_full_block(g, table, written, hashes):
+                g.pending.append(("store", request_id, written, hashes))
+            continue
         base, extra, src = table, 0, NULL_BLOCK
         if hit is not None and hit.num_tokens:
             entries = hit.block_ids[g.key]
@@ -241,8 +246,9 @@ def allocate_cached(tr: Transient, groups: Any, request_id: RequestId, computed:
         if need + extra + len(cow) > avail:
             return False
         plans.append((g, table, base, lo, k, nulls, need, src, cow))
-    rows = sink.cache_rows()
+    rows = sink.cache_rows() if plans or hit is not None else None
     for g, table, base, lo, k, nulls, need, src, cow in plans:
+        assert rows is not None
         key = g.key
         if table is None and base is not None:  # admitted with a hit: share its blocks
             sink.registered.append((key, request_id))
@@ -261,12 +267,45 @@ def allocate_cached(tr: Transient, groups: Any, request_id: RequestId, computed:
             g.pending.append(("cow", request_id, pos))
         if hashes is not None:
             if g.grows:
-                g.pending.append(("store", request_id, written, hashes))
+                if cow or _uncached_full_block(g, g.tables[request_id], written, hashes):
+                    g.pending.append(("store", request_id, written, hashes))
             elif computed and not computed % g.block_size and computed <= hashes.num_tokens:
                 g.pending.append(("save", request_id, computed, hashes))
-    if hit is not None:
+    if rows is not None and hit is not None:
         rows.hits.append((request_id, hit.num_tokens, hit.query_tokens))
     return True
+
+
+def _quiet(g: CacheGroupTransient, table: tuple[BlockId, ...], computed: int, total: int) -> bool:
+    """True when the step needs no block, recycles none and writes no shared block."""
+    bs = g.block_size
+    held = len(table)
+    if total > held * bs:
+        return False
+    w = g.window
+    if w is not None:
+        k = (computed - w + 1) // bs
+        if k > 0 and table[(k if k < held else held) - 1] != NULL_BLOCK:
+            return False
+    elif g.may_skip:
+        return False
+    refs = g.refs
+    for p in range(computed // bs, (total - 1) // bs + 1 if total else 0):
+        b = table[p]
+        if b and refs[b] > 1:
+            return False
+    return True
+
+
+def _uncached_full_block(g: CacheGroupTransient, table: tuple[BlockId, ...], written: int,
+                         hashes: BlockHashes) -> bool:
+    """Whether the last full block the step leaves behind still has to be cached."""
+    bs = g.block_size
+    full = min(len(hashes.hashes) * hashes.block_size // bs, written // bs, len(table))
+    if not full:
+        return False
+    b = table[full - 1]
+    return bool(b) and g.hash_of[b] is None
 
 
 def finish_cached(tr: Transient, sink: DeltaBuilder) -> None:

@@ -41,6 +41,9 @@ def _take_one(g: CacheGroupTransient, block: BlockId, mismatch: Callable[[str], 
 def apply_cached_delta(tr: Transient, d: BlocksChanged,
                        mismatch: Callable[[str], ReplayMismatchError]) -> None:
     """Apply one delta to a caching transient, in the order of the module docstring."""
+    for group in tr.groups:
+        assert isinstance(group, CacheGroupTransient)
+        group.writing()
     for key, rid, pos in zip(d.nulled_keys, d.nulled_request_ids, d.nulled_positions,
                              strict=True):
         g = _group(tr, key)
