@@ -300,3 +300,19 @@ def test_compat_manager_refuses_a_caching_state() -> None:
     with pytest.raises(kf.InvalidArgumentError):
         mgr.restore(caching)
     assert mgr.state is plain
+
+
+def test_ring_compacts_after_many_hits_and_frees() -> None:
+    """Repeated hit/free cycles leave stale ring entries; compaction keeps order and ids."""
+    s0 = _state(full=kf.FullAttention(num_blocks=6, block_size=4))
+    s, deltas = s0, []
+    toks = list(range(9))
+    for i in range(300):  # each cycle turns two ring entries stale and appends two more
+        r = _admit(s, i, toks)
+        s, d = kf.free_request(r.state, i)
+        deltas += [r.delta, d]
+    kf.check_invariants(s)
+    assert s.group("full").cache.num_entries < 2 * 64  # type: ignore[union-attr]
+    assert kf.replay(s0, deltas) == s
+    # Each cycle hits blocks 1, 2, takes the head of 3, 4, 5 and frees it first: 3 rotate.
+    assert s.group("full").free_block_ids() == (3, 4, 5, 2, 1)
