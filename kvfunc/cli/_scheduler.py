@@ -22,7 +22,8 @@ One :meth:`Scheduler.step` is one engine step of ``step_s`` simulated seconds:
 5. finished requests are freed.
 
 Every decode step is taken to accept all ``next_n`` draft tokens.  There is
-no prefix caching: kvfunc has none yet, so every prompt is prefilled in full.
+no prefix caching: the traces record token counts, not the token ids a hit
+depends on, so every prompt is prefilled in full.
 """
 
 from __future__ import annotations
