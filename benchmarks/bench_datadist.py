@@ -248,7 +248,8 @@ def run(child: subprocess.Popen[str], moved: int, num_blocks: int, rounds: int
           f"(serial would be {(layers * layer_s + alone) * 1e3:.1f} ms)")
     print(f"  ratio total/(compute + 1 layer)  {total / bound:8.2f}   (target <= 1.20)")
     decoder.finalize()
-    return {"mib": mib, "raw_ms": raws, "pull_ms": pulls, "pull_ratio": raw_s / pull_s,
+    return {"mib": mib, "raw_ms": [r * 1e3 for r in raws], "pull_ms": [p * 1e3 for p in pulls],
+            "pull_ratio": raw_s / pull_s,
             "layer_ms": layer_s * 1e3, "push_alone_ms": alone * 1e3,
             "overlapped_ms": [t * 1e3 for t in totals], "layerwise_ratio": total / bound}
 

@@ -35,7 +35,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -120,9 +120,18 @@ def gather_rows(tensor: torch.Tensor, rows: Sequence[int], index: torch.Tensor |
 
 
 class Outgoing(abc.ABC):
-    """The sending half of one transfer."""
+    """The sending half of one transfer.
+
+    A transport whose ``send`` copies every row out of the source tensors
+    before it posts the transfer's last message sets ``copies_source``; the
+    caller may then set ``on_copied``, which ``send`` calls once, right
+    before that last message is posted, so the sender can release its source
+    before the receiver can possibly have everything.
+    """
 
     descriptor: dict[str, Any]
+    copies_source: bool = False
+    on_copied: Callable[[], None] | None = None
 
     @abc.abstractmethod
     def send(self, indices: Sequence[int]) -> None:
@@ -252,6 +261,8 @@ class _TorchOutgoing(Outgoing):
         first = self.tensors[0]
         self.shape = (len(self.rows), *first.shape[1:])
         self.chunks = chunks_of(layers, math.prod(self.shape) * first.element_size())
+        # a device gather is asynchronous (the source is read later, on the stream)
+        self.copies_source = endpoint.wire_device.type == "cpu"
         self.released: set[int] = set()
         self.pending: list[tuple[Any, torch.Tensor]] = []
 
@@ -261,6 +272,14 @@ class _TorchOutgoing(Outgoing):
             self._send_chunk(self.chunks.pop(0))
 
     def _send_chunk(self, chunk: list[int]) -> None:
+        ep = self.endpoint
+        buf = self._gather(chunk)
+        if not self.chunks and self.on_copied is not None:
+            self.on_copied()  # the source is read no more (gloo: the gather is synchronous)
+        self.pending.append((ep.group.send([buf], ep.peer, (self.tag + chunk[0]) % TAG_SPACE),
+                             buf))
+
+    def _gather(self, chunk: list[int]) -> torch.Tensor:
         ep, first = self.endpoint, self.tensors[chunk[0]]
         buf = ep.buffers.take((len(chunk), *self.shape), first.dtype, ep.wire_device)
         for j, i in enumerate(chunk):
@@ -271,8 +290,7 @@ class _TorchOutgoing(Outgoing):
                 gather_rows(tensor, self.rows, self.index, buf[j])
             else:
                 buf[j].copy_(gather_rows(tensor, self.rows, self.index.to(tensor.device)))
-        self.pending.append((ep.group.send([buf], ep.peer, (self.tag + chunk[0]) % TAG_SPACE),
-                             buf))
+        return buf
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -32,7 +32,7 @@ __all__ = [
     "raise_if_error",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a pull's accept says whether it wants an ack
 MAX_MESSAGE_BYTES = 64 << 20
 
 

@@ -11,11 +11,19 @@ messages of a request::
 
     pull (decoder D asks prompt P)          push (P sends to D, layer by layer)
     D -> P  {op: pull, tid, key, rows}       P -> D  {op: push, tid, cache, rows}
-    P -> D  x/tid/accept {ok, sender}        D -> P  x/tid/accept {ok}
+    P -> D  x/tid/accept {ok, sender, ack}   D -> P  x/tid/accept {ok}
     P sends every tensor; D receives         for each layer i: P waits for its compute,
-    D -> P  x/tid/ack {ok}                     sends it, then x/tid/ready/i {ok}
-    P releases the key on ok, unpins,        D -> P  x/tid/done {ok}
-    P -> D  x/tid/fin {ok}
+    if ack:                                    sends it, then x/tid/ready/i {ok}
+      D -> P  x/tid/ack {ok}                 D -> P  x/tid/done {ok}
+      P releases the key on ok, unpins,
+      P -> D  x/tid/fin {ok}
+
+A pull of a ``BlocksCacheKey`` has no key to release, so when the transport
+copies the source rows out before it posts its last message
+(``Outgoing.copies_source``) P unpins right then and asks for no ack
+(``ack: false``): the data's arrival is D's proof of success, and the pull
+saves a round trip of two wake-ups.  A ``CacheKey`` pull keeps the ack, so
+the key is released before ``pull_cache`` returns.
 
 Both caches are pinned for the transfer (see :mod:`._registry`), so a
 concurrent ``deallocate_cache`` defers the release to the end.  A timeout
@@ -92,6 +100,18 @@ class _Deadline:
         return max(self.end - time.monotonic(), 0.0)
 
 
+class _Once:
+    """Calls ``action`` on the first call only (a pin released early is not released again)."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self.action: Callable[[], None] | None = action
+
+    def __call__(self) -> None:
+        action, self.action = self.action, None
+        if action is not None:
+            action()
+
+
 def _broken(link: Link, exc: LLMError, what: str) -> TransferTimeoutError:
     link.mark_broken(f"{what}: {exc}")
     return TransferTimeoutError(f"{what} with cluster {link.peer_cluster_id} did not finish "
@@ -122,6 +142,7 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
         descriptor = raise_if_error(accept).get("sender")
         if not isinstance(descriptor, dict):
             raise InvalidParamError("the peer's accept has no sender descriptor")
+        ack = get_bool(accept, "ack")
         incoming = link.transport.incoming(dst.tensors, dst_rows, tid,
                                            [list(range(desc.num_tensors))], descriptor)
         try:
@@ -129,8 +150,11 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
                 incoming.receive([i], deadline.left())
         except (TransferTimeoutError, LinkFailedError) as exc:
             incoming.abandon()
-            _put_quietly(link, f"x/{tid}/ack", {"ok": False})
+            if ack:
+                _put_quietly(link, f"x/{tid}/ack", {"ok": False})
             raise _broken(link, exc, "pull") from None
+        if not ack:  # the prompt side unpinned before its last message left
+            return
         try:  # returns once the prompt side released the key and its pin
             link.channel.put(f"x/{tid}/ack", {"ok": True})
             raise_if_error(link.channel.take(f"x/{tid}/fin", deadline.left()))
@@ -167,12 +191,18 @@ def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
         _put_quietly(link, f"x/{tid}/accept", error_reply(exc))
         return
     acked = False
+    ack = isinstance(key, CacheKey) or not outgoing.copies_source
+    unpin = _Once(lambda: manager._unpin(pinned.cache_id))
+    if not ack:
+        outgoing.on_copied = unpin
     try:
-        link.channel.put(f"x/{tid}/accept", {"ok": True, "sender": outgoing.descriptor})
+        link.channel.put(f"x/{tid}/accept", {"ok": True, "sender": outgoing.descriptor,
+                                             "ack": ack})
         deadline = _Deadline(timeout_s)
         outgoing.send(range(local.num_tensors))
         outgoing.wait(deadline.left())
-        acked = get_bool(link.channel.take(f"x/{tid}/ack", deadline.left()), "ok")
+        if ack:
+            acked = get_bool(link.channel.take(f"x/{tid}/ack", deadline.left()), "ok")
     except (TransferTimeoutError, LinkFailedError) as exc:
         link.mark_broken(f"serving a pull: {exc}")
     except LLMError as exc:
@@ -180,7 +210,7 @@ def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
     finally:
         if acked and isinstance(key, CacheKey):
             manager._release_key(key)
-        manager._unpin(pinned.cache_id)
+        unpin()
     if acked:
         _put_quietly(link, f"x/{tid}/fin", {"ok": True})
 

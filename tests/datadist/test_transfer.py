@@ -84,10 +84,16 @@ def test_removed_key_cannot_be_pulled(prompt: PeerProcess, decoder: dd.LLMDataDi
 
 def test_pull_blocks_pairs_blocks_by_position(prompt: PeerProcess,
                                               decoder: dd.LLMDataDist) -> None:
-    """Prompt blocks [3, 9, 4] land in decoder blocks [0, 5, 6]; the rest stay zero."""
+    """Prompt blocks [3, 9, 4] land in decoder blocks [0, 5, 6]; the rest stay zero.
+
+    The prompt side asks no ack for a blocks pull: it unpins its cache before
+    its last message leaves, so nothing is pinned once ``pull_blocks`` returns.
+    """
     prompt.ok("alloc", desc=BLOCKS.to_json(), blocks=True, model_id=1, fill=3)
     dst = zeros(decoder.cache_manager, BLOCKS)
-    decoder.cache_manager.pull_blocks(dd.BlocksCacheKey(0, 1), dst, [3, 9, 4], [0, 5, 6])
+    for _ in range(2):  # the second pull shows the link is clean after an ack-less one
+        decoder.cache_manager.pull_blocks(dd.BlocksCacheKey(0, 1), dst, [3, 9, 4], [0, 5, 6])
+        assert 0 == prompt.ok("state")["pins"]
     want = pattern(BLOCKS, 3)
     for w, t in zip(want, dst.tensors, strict=True):
         assert torch.equal(w[[3, 9, 4]], t[[0, 5, 6]])
