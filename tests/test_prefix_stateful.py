@@ -104,18 +104,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             event({kf.COPY_SAVED: "saved state", kf.COPY_INTO_NEW: "state hit"}.get(pos, "cow"))
         if delta.hit_tokens and delta.hit_tokens[0]:
             event("prefix hit")
+        stored = set(zip(delta.stored_keys, delta.stored_block_ids, strict=True))
         copies = list(zip(delta.copied_keys, delta.copied_positions, delta.copied_src_block_ids,
                           delta.copied_dst_block_ids, strict=True))
-        sources = {(k, s): self.content.get((k, s)) for k, _, s, _ in copies}
-        shared = set(zip(delta.shared_keys, delta.shared_block_ids, strict=True))
-        dsts = {(k, d) for k, _, _, d in copies}
-        for key, block in zip(delta.appended_keys, delta.appended_block_ids, strict=True):
-            if block and (key, block) not in shared and (key, block) not in dsts:
-                self.content[(key, block)] = None  # a new block: the shell zeroes it
-        for key, pos, src, dst in copies:
-            self.content[(key, dst)] = sources[(key, src)]
-            if pos == kf.COPY_SAVED:  # a saved state is a cached free block: youngest in LRU
+        for key, pos, src, dst in copies:  # in row order, as the shell copies
+            self.content[(key, dst)] = self.content.get((key, src))
+            if pos == kf.COPY_SAVED and (key, dst) in stored:  # a cached free block: youngest
                 self.lru[key].append(dst)
+        shared = set(zip(delta.shared_keys, delta.shared_block_ids, strict=True))
+        seeded = {(k, d) for k, p, _, d in copies if p == kf.COPY_INTO_NEW}
+        for key, block in zip(delta.appended_keys, delta.appended_block_ids, strict=True):
+            if block and (key, block) not in shared and (key, block) not in seeded:
+                self.content[(key, block)] = None  # a new block: the shell zeroes it
         self.history.append((state, repr(get_all(state))))
         self.state = state
         self.deltas.append(delta)
@@ -208,6 +208,53 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                                         strict=True)]
         self._commit(res.state, res.delta, freed)
         self._write(rid, start, len(toks))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), prompt=st.sampled_from(PROMPTS),
+          suffix=st.lists(st.integers(0, 3), max_size=9))
+    def step(self, data: st.DataObject, prompt: tuple[int, ...], suffix: list[int]) -> None:
+        """A scheduler step: decode some running requests, admit one; batch == sequential."""
+        running = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), unique=True,
+                                     min_size=1))
+        news = {rid: data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=5))
+                for rid in running}
+        rid = self.next_id
+        self.next_id += 1
+        toks = list(prompt) + suffix
+        h = kf.BlockHashes.of(toks, HBS)
+        hit = kf.lookup_prefix(self.state, h, max_tokens=len(toks) - 1)
+        reqs: list[Any] = [
+            (r, self.computed[r], len(n), 0, 0, None,
+             kf.BlockHashes.of(self.tokens[r] + n, HBS), None) for r, n in news.items()]
+        reqs.insert(data.draw(st.integers(0, len(reqs))),
+                    kf.SlotRequest(rid, hit.num_tokens, len(toks) - hit.num_tokens, 0, 0,
+                                   None, h, hit))
+        batch = kf.allocate_batch(self.state, reqs)
+        seq, refused = self.state, []
+        for req in reqs:
+            r = kf.allocate_slots(seq, req[0], req[1], req[2], block_hashes=req[6],
+                                  prefix_hit=req[7])
+            if r.ok:
+                seq = r.state
+            else:
+                refused.append(req[0])
+        assert batch.refused == tuple(refused), (batch.refused, refused)
+        assert get_all(batch.state) == get_all(seq), (reqs, get_all(self.state),
+                                                      get_all(batch.state), get_all(seq))
+        written = {r: (self.computed[r], self.computed[r] + len(n)) for r, n in news.items()}
+        for r, n in news.items():
+            if r not in refused:
+                self.tokens[r] = self.tokens[r] + n
+                self.computed[r] = len(self.tokens[r])
+        if rid not in refused:
+            self.tokens[rid], self.computed[rid] = toks, len(toks)
+            written[rid] = (hit.num_tokens, len(toks))
+        freed = [(k, b) for k, b in zip(batch.delta.freed_keys, batch.delta.freed_block_ids,
+                                        strict=True)]
+        self._commit(batch.state, batch.delta, freed)
+        for r, (start, end) in written.items():
+            if r not in refused:
+                self._write(r, start, end)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

@@ -29,8 +29,9 @@ from kvfunc.core import (
     UnknownAttentionTypeError,
 )
 from kvfunc.core._state import group_cache_entries
+from kvfunc.core._steps import recycle_into
 from kvfunc.core._transient import GroupTransient
-from kvfunc.core._transitions import check_request_id, free_into, recycle_into
+from kvfunc.core._transitions import check_request_id, free_into
 
 __all__ = [
     "ATTN_TYPE_MANAGER_MAP",

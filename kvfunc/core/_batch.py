@@ -19,28 +19,24 @@ A property test checks that both equal sequential ``allocate_slots``.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import attrs
 
 from kvfunc.core._delta import BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
+from kvfunc.core._hashing import BlockHashes
+from kvfunc.core._prefix import PrefixHit, check_prefix_args, finish_cached
+from kvfunc.core._prefix_batch import cached_batch
 from kvfunc.core._state import NULL_BLOCK, KVState, RequestId
+from kvfunc.core._steps import apply_plan, plan_group
 from kvfunc.core._transient import Transient
 from kvfunc.core._transitions import (
     allocate_into,
-    apply_plan,
     check_counts,
     check_manager_keys,
-    check_prefix_args,
     check_request_id,
-    finish_cached,
-    plan_group,
 )
-
-if TYPE_CHECKING:
-    from kvfunc.core._hashing import BlockHashes
-    from kvfunc.core._prefix import PrefixHit
 
 __all__ = ["BatchResult", "SlotRequest", "allocate_batch"]
 
@@ -94,12 +90,18 @@ def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, .
     reqs = requests if isinstance(requests, list | tuple) else list(requests)
     sink = DeltaBuilder()
     tr = Transient(state)
-    if not tr.caching and _group_major(tr, reqs, sink):
+    if tr.caching:
+        quick = cached_batch(tr, reqs, sink)
+        if quick is not None:
+            finish_cached(tr, sink)
+            return BatchResult(tr.freeze(), sink.build(), tuple(quick))
+    elif _group_major(tr, reqs, sink):
         return BatchResult(tr.freeze(), sink.build(), ())
     tr = Transient(state)
     sink = DeltaBuilder()
     refused: list[RequestId] = []
     seen: set[RequestId] = set()
+    checked: set[int] = set()  # hash block sizes already checked against the groups
     for req in reqs:
         try:
             rid, computed, new, lookahead, reserved, keys, hashes, hit = _unpack(req)
@@ -107,9 +109,12 @@ def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, .
                 msg = f"request {rid!r} appears twice in one batch; a step names it once"
                 raise InvalidArgumentError(msg)
             seen.add(rid)
-            if hashes is not None or hit is not None:
+            if hit is not None or (hashes is not None and (
+                    type(hashes) is not BlockHashes or hashes.block_size not in checked)):
                 check_counts(computed, new, lookahead, reserved)
                 check_prefix_args(state, rid, computed, keys, hashes, hit)
+                if hashes is not None:
+                    checked.add(hashes.block_size)
             if not allocate_into(tr, rid, computed, new, lookahead, reserved, keys, sink,
                                  hashes, hit):
                 refused.append(rid)

@@ -25,7 +25,7 @@ from pyrsistent import pvector
 
 from kvfunc.core._cache_state import FANOUT, GroupCache, empty_index
 from kvfunc.core._state import FREE_CHUNK, NULL_BLOCK, BlockId, GroupState
-from kvfunc.core._transient import GroupTransient
+from kvfunc.core._transient import CACHING_KIND, GroupTransient
 
 __all__ = ["CacheGroupTransient"]
 
@@ -33,7 +33,7 @@ __all__ = ["CacheGroupTransient"]
 class CacheGroupTransient(GroupTransient):
     """Working copy of a :class:`GroupState` with a :class:`GroupCache`."""
 
-    __slots__ = ("cache_src", "entries", "evicted", "hash_of", "owned_shards", "pending", "refs",
+    __slots__ = ("cache_src", "entries", "evicted", "hash_of", "owned_shards", "refs", "saved",
                  "shards", "stale", "writable")
 
     counts_refs = True
@@ -42,7 +42,7 @@ class CacheGroupTransient(GroupTransient):
         super().__init__(group)
         self._open(group.cache)
         self.evicted: list[tuple[str, BlockId, bytes]] = []
-        self.pending: list[tuple[Any, ...]] = []
+        self.saved: list[tuple[BlockId, bytes]] = []  # states saved in this transition
 
     def _open(self, cache: GroupCache | None) -> None:
         """Read the published cache; vectors turn into evolvers on the first write."""
@@ -235,3 +235,6 @@ class CacheGroupTransient(GroupTransient):
                            self.stale.persistent(), self.entries)
         self._open(cache)  # the published vectors and shards are shared from now on
         return cache
+
+
+CACHING_KIND.append(CacheGroupTransient)

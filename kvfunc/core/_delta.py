@@ -12,11 +12,15 @@ column family are in the order the transition performed them, which is what
 * ``appended_*``    table entries appended; block 0 is a null entry (a
   sliding-window head), any other id was taken from the head of the queue;
 * ``copied_*``      block copies the shell must perform before the step
-  runs; with prefix caching each row also names the request and the table
+  runs, **in row order** (a copy may read a block an earlier copy wrote);
+  with prefix caching each row also names the request and the table
   position the copy lands in (copy-on-write), :data:`COPY_INTO_NEW` when the
   destination is a block the request was just given (a saved state that
   seeds a new request), or :data:`COPY_SAVED` when the destination is taken
-  from the pool only to be cached (a state saved at a block boundary).
+  from the pool only to be cached (a state saved at a block boundary);
+  ``copied_after`` is the number of ``appended_*`` rows the transition had
+  written when it made the copy, which orders the copies' blocks among the
+  appended ones taken from the same pool.
 
 Only states with prefix caching produce the remaining families:
 
@@ -33,9 +37,8 @@ Only states with prefix caching produce the remaining families:
 
 Replay applies, per group, nulls and frees, then releases, registrations and
 appends.  Taking from the head and returning to the tail commute as long as
-the queue never runs dry, which a valid transition guarantees.  Caching
-transitions defer copy-on-write copies and saved states to the end of the
-transition, so replaying copies after appends reproduces their block ids.
+the queue never runs dry, which a valid transition guarantees.  On caching
+states replay interleaves copies with appends by ``copied_after``.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class BlocksChanged:
     copied_dst_block_ids: tuple[BlockId, ...] = _EMPTY
     copied_request_ids: tuple[RequestId, ...] = _EMPTY
     copied_positions: tuple[int, ...] = _EMPTY
+    copied_after: tuple[int, ...] = _EMPTY
     shared_keys: tuple[str, ...] = _EMPTY
     shared_request_ids: tuple[RequestId, ...] = _EMPTY
     shared_block_ids: tuple[BlockId, ...] = _EMPTY
@@ -136,7 +140,7 @@ class CacheRows:
     __slots__ = ("cleared", "copied", "evicted", "hits", "shared", "stored", "touched")
 
     def __init__(self) -> None:
-        self.copied: list[tuple[str, RequestId, int, BlockId, BlockId]] = []
+        self.copied: list[tuple[str, RequestId, int, BlockId, BlockId, int]] = []
         self.shared: list[tuple[str, RequestId, BlockId]] = []
         self.touched: list[tuple[str, BlockId]] = []
         self.stored: list[tuple[str, BlockId, bytes, bytes | None, tuple[int, ...]]] = []
@@ -149,10 +153,10 @@ class CacheRows:
         out: list[tuple[Any, ...]] = []
         copied = self.copied
         if copied:
-            keys, rids, positions, srcs, dsts = zip(*copied, strict=True)
-            out += (keys, srcs, dsts, rids, positions)
+            keys, rids, positions, srcs, dsts, after = zip(*copied, strict=True)
+            out += (keys, srcs, dsts, rids, positions, after)
         else:
-            out += (_EMPTY,) * 5
+            out += (_EMPTY,) * 6
         for rows, width in ((self.shared, 3), (self.touched, 2), (self.stored, 5),
                             (self.evicted, 3)):
             out += tuple(zip(*rows, strict=True)) if rows else (_EMPTY,) * width

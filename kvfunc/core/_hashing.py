@@ -126,7 +126,7 @@ class BlockHashes:
         hash_fn: a name from :data:`HASH_FUNCTIONS`.
         root: the digest the first block chains from (salt and extra keys).
         hashes: one digest per full block, in order.
-        token_ids: the token ids of those full blocks.
+        blocks: the token ids of each of those blocks.
 
     >>> h = BlockHashes.of(range(40), block_size=16)
     >>> len(h.hashes), h.num_tokens
@@ -145,7 +145,7 @@ class BlockHashes:
     hash_fn: str
     root: bytes
     hashes: tuple[BlockHash, ...] = ()
-    token_ids: tuple[int, ...] = ()
+    blocks: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, token_ids: Sequence[int], block_size: int, *, hash_fn: str = "sha256",
@@ -163,7 +163,7 @@ class BlockHashes:
             InvalidTypeError: token ids, extra keys or salt of a wrong type.
 
         >>> BlockHashes.of([1, 2, 3], 2).hashes[0].hex()[:8]
-        '4cd2c7c5'
+        '23d3d67d'
         """
         if type(block_size) is not int or block_size <= 0:
             msg = f"block_size must be a positive int, got {block_size!r}"
@@ -189,8 +189,8 @@ class BlockHashes:
         generated tokens); only the tokens after :attr:`num_tokens` are read.
 
         >>> h = BlockHashes.of([], 2)
-        >>> h.update([5, 6, 7]).token_ids
-        (5, 6)
+        >>> h.update([5, 6, 7, 8, 9]).blocks
+        ((5, 6), (7, 8))
         >>> h.update([5, "x"])
         Traceback (most recent call last):
         ...
@@ -210,17 +210,20 @@ class BlockHashes:
         for i in range(0, len(data), width):
             parent = fn(parent + data[i:i + width])
             out.append(parent)
+        fresh = tuple(fresh)
+        new_blocks = tuple(fresh[i:i + bs] for i in range(0, len(fresh), bs))
         return BlockHashes(bs, self.hash_fn, self.root, self.hashes + tuple(out),
-                           self.token_ids + tuple(fresh))
+                           self.blocks + new_blocks)
 
     def parent_hash(self, index: int) -> BlockHash | None:
         """The hash block ``index`` chains from (``None`` for the first block)."""
         return self.hashes[index - 1] if index else None
 
-    def block_token_ids(self, index: int) -> tuple[int, ...]:
-        """The token ids of hashed block ``index``."""
-        bs = self.block_size
-        return self.token_ids[index * bs:(index + 1) * bs]
+    def block_token_ids(self, index: int, count: int = 1) -> tuple[int, ...]:
+        """The token ids of ``count`` hashed blocks from block ``index`` on."""
+        if count == 1:
+            return self.blocks[index]
+        return tuple(t for block in self.blocks[index:index + count] for t in block)
 
 
 def check_block_hashes(value: Any) -> BlockHashes:

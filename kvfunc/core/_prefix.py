@@ -29,9 +29,20 @@ cached block whenever a request's computed tokens reach a multiple of the
 state group's block size; a hit copies the saved state into the new
 request's own block (states change in place, so they are never shared).
 
-Deferred work: copy-on-write copies, block caching and saved states run at
-the end of the transition (:func:`finish_cached`), in that order, so that a
-replay that applies copies after appends gets the same block ids.
+Order within a transition: each request's step applies its plan, then its
+copy-on-write copies, then caches its full blocks or saves its state, before
+the next request's step, so a batch equals the same calls made one by one.
+Copies and appended blocks take from the same pool; each copy row records
+how many appended rows preceded it (``copied_after``) so that replay takes
+them in the same order.  Only evictions are collected until the transition
+ends (:func:`finish_cached`).
+
+A sliding-window group keeps only the blocks of its window: a one-shot
+prefill of a long prompt never holds the blocks before its last window, so a
+later prompt that shares only a prefix of it finds nothing cached for that
+group (identical prompts, shorter prompts and chunked prefills do).  A forked
+child must hash its *own* tokens (``BlockHashes.of(child_tokens)``): the
+parent's hashes may name tokens the child never had.
 """
 
 from __future__ import annotations
@@ -46,11 +57,11 @@ from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 from kvfunc.core._hashing import BlockHashes, check_block_hashes
 from kvfunc.core._state import NULL_BLOCK, BlockId, FrozenDict, KVState, RequestId
+from kvfunc.core._steps import apply_plan, plan_group
 from kvfunc.core._transient import Transient
-from kvfunc.core._transitions import apply_plan, plan_group
 
-__all__ = ["PrefixHit", "allocate_cached", "check_prefix_args", "finish_cached",
-           "lookup_prefix"]
+__all__ = ["PrefixHit", "allocate_cached", "cache_after_step", "check_prefix_args",
+           "copy_on_write", "finish_cached", "lookup_prefix", "uncached_full_block"]
 
 
 @attrs.frozen(slots=True)
@@ -219,12 +230,13 @@ def allocate_cached(tr: Transient, groups: Any, request_id: RequestId, computed:
                     hashes: BlockHashes | None, hit: PrefixHit | None) -> bool:
     """The per-request step on a caching transient; on refusal nothing changes."""
     plans = []
+    stores = []
     for g in groups:
         table = g.tables.get(request_id)
         if table and hit is None and not reserved and g.grows and _quiet(g, table, computed, total):
             # The common decode step: no new block, nothing slid out, nothing shared written.
-            if hashes is not None and _uncached_full_block(g, table, written, hashes):
-                g.pending.append(("store", request_id, written, hashes))
+            if hashes is not None and uncached_full_block(g, table, written, hashes):
+                stores.append(g)  # after every group has accepted the request
             continue
         base, extra, src = table, 0, NULL_BLOCK
         if hit is not None and hit.num_tokens:
@@ -246,6 +258,8 @@ def allocate_cached(tr: Transient, groups: Any, request_id: RequestId, computed:
         if need + extra + len(cow) > avail:
             return False
         plans.append((g, table, base, lo, k, nulls, need, src, cow))
+    for g in stores:
+        store_full_blocks(g, request_id, written, hashes, sink.cache_rows().stored)  # type: ignore[arg-type]
     rows = sink.cache_rows() if plans or hit is not None else None
     for g, table, base, lo, k, nulls, need, src, cow in plans:
         assert rows is not None
@@ -261,16 +275,12 @@ def allocate_cached(tr: Transient, groups: Any, request_id: RequestId, computed:
             g.set_table(request_id, base)
         apply_plan(g, request_id, base, lo, k, nulls, need, sink)
         if src:
-            rows.copied.append((key, request_id, COPY_INTO_NEW, src, g.tables[request_id][0]))
+            rows.copied.append((key, request_id, COPY_INTO_NEW, src, g.tables[request_id][0],
+                                len(sink.appended)))
         for pos in cow:
-            g.count -= 1  # reserved now, taken when the transition finishes
-            g.pending.append(("cow", request_id, pos))
+            copy_on_write(g, request_id, pos, sink)
         if hashes is not None:
-            if g.grows:
-                if cow or _uncached_full_block(g, g.tables[request_id], written, hashes):
-                    g.pending.append(("store", request_id, written, hashes))
-            elif computed and not computed % g.block_size and computed <= hashes.num_tokens:
-                g.pending.append(("save", request_id, computed, hashes))
+            cache_after_step(g, request_id, computed, written, hashes, sink)
     if rows is not None and hit is not None:
         rows.hits.append((request_id, hit.num_tokens, hit.query_tokens))
     return True
@@ -297,7 +307,7 @@ def _quiet(g: CacheGroupTransient, table: tuple[BlockId, ...], computed: int, to
     return True
 
 
-def _uncached_full_block(g: CacheGroupTransient, table: tuple[BlockId, ...], written: int,
+def uncached_full_block(g: CacheGroupTransient, table: tuple[BlockId, ...], written: int,
                          hashes: BlockHashes) -> bool:
     """Whether the last full block the step leaves behind still has to be cached."""
     bs = g.block_size
@@ -308,39 +318,53 @@ def _uncached_full_block(g: CacheGroupTransient, table: tuple[BlockId, ...], wri
     return bool(b) and g.hash_of[b] is None
 
 
+def cache_after_step(g: CacheGroupTransient, rid: RequestId, computed: int, written: int,
+                     hashes: BlockHashes, sink: DeltaBuilder) -> None:
+    """Cache what the request's step completed: full blocks, or a state at a boundary."""
+    if g.grows:
+        if uncached_full_block(g, g.tables[rid], written, hashes):
+            store_full_blocks(g, rid, written, hashes, sink.cache_rows().stored)
+    elif (computed and not computed % g.block_size and computed <= hashes.num_tokens
+          and g.count):
+        save_state(g, rid, computed, hashes, sink)
+
+
 def finish_cached(tr: Transient, sink: DeltaBuilder) -> None:
-    """Run the deferred work of a caching transition: copies, caching, saved states."""
+    """Move the transition's evictions into the delta.
+
+    A state saved and evicted again within one transition (a batch whose
+    later requests used up the free queue) leaves no trace: its stored row
+    and its eviction cancel, so every stored row of a delta is still cached
+    at its end and events stay in the order removals, then stores.
+    """
     for g in tr.groups:
         assert isinstance(g, CacheGroupTransient)
-        if g.pending:
-            rows = sink.cache_rows()
-            ops, g.pending = g.pending, []
-            for op in ops:
-                if op[0] == "cow":
-                    _copy_on_write(g, op[1], op[2], sink)
-            for op in ops:
-                if op[0] == "store":
-                    _store_full_blocks(g, op[1], op[2], op[3], rows.stored)
-            saved = 0
-            for op in ops:
-                if op[0] == "save" and g.count > saved + 1:
-                    saved += _save_state(g, op[1], op[2], op[3], sink)
-        if g.evicted:
-            sink.cache_rows().evicted.extend(g.evicted)
+        evicted, saved = g.evicted, g.saved
+        if saved:
+            g.saved = []
+            gone = [row for row in evicted if (row[1], row[2]) in saved]
+            if gone:
+                stored = sink.cache_rows().stored
+                for row in gone:
+                    key, b, h = row
+                    stored.remove(next(r for r in stored if r[:3] == (key, b, h) and not r[4]))
+                    evicted.remove(row)
+        if evicted:
+            sink.cache_rows().evicted.extend(evicted)
             g.evicted = []
 
 
-def _copy_on_write(g: CacheGroupTransient, rid: RequestId, pos: int, sink: DeltaBuilder) -> None:
+def copy_on_write(g: CacheGroupTransient, rid: RequestId, pos: int, sink: DeltaBuilder) -> None:
+    """Give ``rid`` its own copy of the block at ``pos`` (phase 1 counted the block)."""
     table = g.tables[rid]
     src = table[pos]
-    g.count += 1  # the block reserved in phase 1
     (dst,) = g.take(1)
     g.set_table(rid, table[:pos] + (dst,) + table[pos + 1:])
     g.release_blocks((src,))  # replay releases it at the copy row too (no freed row)
-    sink.cache_rows().copied.append((g.key, rid, pos, src, dst))
+    sink.cache_rows().copied.append((g.key, rid, pos, src, dst, len(sink.appended)))
 
 
-def _store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
+def store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
                        hashes: BlockHashes, out: list[Any]) -> None:
     """Cache the request's full blocks that are not cached yet (newest first found)."""
     table = g.tables.get(rid)
@@ -357,22 +381,22 @@ def _store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
         b, h = table[q], hs[(q + 1) * m - 1]
         g.store(b, h)
         out.append((key, b, h, hs[q * m - 1] if q else None,
-                    hashes.token_ids[q * bs:(q + 1) * bs]))
+                    hashes.block_token_ids(q * m, m)))
 
 
-def _save_state(g: CacheGroupTransient, rid: RequestId, computed: int, hashes: BlockHashes,
-                sink: DeltaBuilder) -> int:
-    """Copy the request's state into a cached block (1) unless it is cached already (0)."""
+def save_state(g: CacheGroupTransient, rid: RequestId, computed: int, hashes: BlockHashes,
+               sink: DeltaBuilder) -> None:
+    """Copy the request's state into a free cached block, unless that state is cached."""
     index = computed // hashes.block_size - 1
     h = hashes.hashes[index]
     table = g.tables.get(rid)
     if not table or g.lookup(h):
-        return 0
+        return
     (dst,) = g.take(1)
     g.refs[dst] = 0
     g.store(dst, h)
     g.give((dst,))
+    g.saved.append((dst, h))
     rows = sink.cache_rows()
-    rows.copied.append((g.key, rid, COPY_SAVED, table[0], dst))
+    rows.copied.append((g.key, rid, COPY_SAVED, table[0], dst, len(sink.appended)))
     rows.stored.append((g.key, dst, h, hashes.hashes[index - 1] if index else None, ()))
-    return 1

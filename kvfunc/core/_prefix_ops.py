@@ -24,7 +24,9 @@ def fork_request(state: KVState, parent: RequestId, child: RequestId
     For parallel sampling and beam search.  Nothing is copied now: the first
     allocation of either request that writes into a block both hold gives
     the writer its own copy (a ``copied_*`` row in that delta, which the
-    shell performs before the step runs).
+    shell performs before the step runs).  Give the child's allocations
+    hashes of the child's own tokens: the parent's may name tokens the
+    child never had.
 
     Raises:
         NotSupportedError: the state has no reference counts (create it with

@@ -3,21 +3,24 @@
 Per delta: references dropped by nulls and releases, then the freed blocks
 re-enter the queue, then the hits' touched blocks leave it, then
 registrations, appends (shared entries add a reference, the others are taken
-from the head, evicting what they held), copies (copy-on-write and saved
-states take their destination now, as the transition did at its end),
-stored hashes, and cache resets.  Within a transition a block is only ever
-freed before it is touched and touched before anything is taken, so this
-order reproduces the transition's free queue exactly.
+from the head, evicting what they held) interleaved with copies as
+``copied_after`` says (copy-on-write and saved states take their destination
+then; a saved state is cached at once, so a later take evicts it as the
+transition did), the other stored hashes, and cache resets.  Within a
+transition a block is only ever freed before it is touched and touched
+before anything is taken, and stored blocks are held until the transition
+ends, so this order reproduces the transition exactly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from kvfunc.core._cache_transient import CacheGroupTransient
 from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, BlocksChanged
 from kvfunc.core._errors import ReplayMismatchError
-from kvfunc.core._state import NULL_BLOCK, BlockId, RequestId
+from kvfunc.core._state import NULL_BLOCK, BlockId
 from kvfunc.core._transient import Transient
 
 __all__ = ["apply_cached_delta"]
@@ -76,41 +79,39 @@ def apply_cached_delta(tr: Transient, d: BlocksChanged,
             raise mismatch(f"request {rid!r} is already registered in {key!r}")
         g.set_table(rid, ())
     shared = set(zip(d.shared_keys, d.shared_request_ids, d.shared_block_ids, strict=True))
-    runs: dict[tuple[str, RequestId], list[BlockId]] = {}
-    for key, rid, block in zip(d.appended_keys, d.appended_request_ids, d.appended_block_ids,
-                               strict=True):
-        runs.setdefault((key, rid), []).append(block)
-    for (key, rid), blocks in runs.items():
+    saves: dict[tuple[str, BlockId], list[int]] = {}  # stored rows of saved states, in order
+    for i, (key, block, tokens) in enumerate(zip(d.stored_keys, d.stored_block_ids,
+                                                 d.stored_token_ids, strict=True)):
+        if not tokens:
+            saves.setdefault((key, block), []).append(i)
+    consumed: set[int] = set()
+    copies = list(zip(d.copied_keys, d.copied_request_ids, d.copied_positions,
+                      d.copied_src_block_ids, d.copied_dst_block_ids,
+                      d.copied_after or (len(d.appended_keys),) * len(d.copied_keys),
+                      strict=True))
+    done = 0
+    appended = zip(d.appended_keys, d.appended_request_ids, d.appended_block_ids, strict=True)
+    for j, (key, rid, block) in enumerate(appended):
+        while done < len(copies) and copies[done][5] <= j:
+            _copy(tr, copies[done], d, saves, consumed, mismatch)
+            done += 1
         g = _group(tr, key)
         table = g.tables.get(rid)
         if table is None:
             raise mismatch(f"cannot append to unknown request {rid!r} in {key!r}")
-        for block in blocks:
-            if block == NULL_BLOCK:
-                continue
+        if block != NULL_BLOCK:
             if (key, rid, block) in shared:
                 g.refs[block] += 1
                 g.changed = True
             else:
                 _take_one(g, block, mismatch)
-        g.set_table(rid, table + tuple(blocks))
-    for key, rid, pos, src, dst in zip(d.copied_keys, d.copied_request_ids, d.copied_positions,
-                                       d.copied_src_block_ids, d.copied_dst_block_ids,
-                                       strict=True):
-        g = _group(tr, key)
-        if pos == COPY_INTO_NEW:
+        g.set_table(rid, table + (block,))
+    for row in copies[done:]:
+        _copy(tr, row, d, saves, consumed, mismatch)
+    for i, (key, block, h) in enumerate(zip(d.stored_keys, d.stored_block_ids, d.stored_hashes,
+                                            strict=True)):
+        if i in consumed:
             continue
-        _take_one(g, dst, mismatch)
-        if pos == COPY_SAVED:
-            g.refs[dst] = 0
-            g.give((dst,))
-            continue
-        table = g.tables.get(rid)
-        if table is None or not 0 <= pos < len(table) or table[pos] != src:
-            raise mismatch(f"cannot copy-on-write position {pos} of {rid!r} in {key!r}")
-        g.set_table(rid, table[:pos] + (dst,) + table[pos + 1:])
-        g.release_blocks((src,))
-    for key, block, h in zip(d.stored_keys, d.stored_block_ids, d.stored_hashes, strict=True):
         g = _group(tr, key)
         if not 0 < block < g.policy.num_blocks or g.hash_of[block] is not None:
             raise mismatch(f"cannot cache block {block!r} of {key!r}")
@@ -120,3 +121,28 @@ def apply_cached_delta(tr: Transient, d: BlocksChanged,
     for group in tr.groups:
         assert isinstance(group, CacheGroupTransient)
         group.evicted = []
+
+
+def _copy(tr: Transient, row: tuple[Any, ...], d: BlocksChanged,
+          saves: dict[tuple[str, BlockId], list[int]], consumed: set[int],
+          mismatch: Callable[[str], ReplayMismatchError]) -> None:
+    """One copy row: copy-on-write or a saved state takes its destination now."""
+    key, rid, pos, src, dst, _ = row
+    g = _group(tr, key)
+    if pos == COPY_INTO_NEW:
+        return
+    _take_one(g, dst, mismatch)
+    if pos == COPY_SAVED:
+        g.refs[dst] = 0
+        rows = saves.get((key, dst))
+        if rows:  # absent when the state was evicted again in the same transition
+            i = rows.pop(0)
+            consumed.add(i)
+            g.store(dst, d.stored_hashes[i])
+        g.give((dst,))
+        return
+    table = g.tables.get(rid)
+    if table is None or not 0 <= pos < len(table) or table[pos] != src:
+        raise mismatch(f"cannot copy-on-write position {pos} of {rid!r} in {key!r}")
+    g.set_table(rid, table[:pos] + (dst,) + table[pos + 1:])
+    g.release_blocks((src,))

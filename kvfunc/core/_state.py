@@ -210,7 +210,8 @@ class KVState:
     @property
     def prefix_caching(self) -> bool:
         """True when the state was created with ``enable_prefix_caching``."""
-        return any(g.cache is not None for g in self.groups)
+        groups = self.groups
+        return bool(groups) and groups[0].cache is not None  # all groups cache, or none
 
     @classmethod
     def from_cache_info(

@@ -182,6 +182,10 @@ class GroupTransient:
         return None
 
 
+# The caching subclass registers itself here (``_cache_transient`` imports this module).
+CACHING_KIND: list[type[GroupTransient]] = []
+
+
 class Transient:
     """Working copy of a whole :class:`KVState`."""
 
@@ -192,7 +196,7 @@ class Transient:
         self.max_model_len = state.max_model_len
         groups = state.groups
         self.caching = groups[0].cache is not None if groups else False
-        kind = CacheGroupTransient if self.caching else GroupTransient
+        kind = CACHING_KIND[0] if self.caching else GroupTransient
         self.groups: tuple[GroupTransient, ...] = tuple(kind(g) for g in groups)
 
     def group(self, key: str) -> GroupTransient:
@@ -208,5 +212,3 @@ class Transient:
         self.src = KVState(self.max_model_len, groups)
         return self.src
 
-
-from kvfunc.core._cache_transient import CacheGroupTransient  # noqa: E402 - subclass of the above

@@ -27,6 +27,7 @@ import attrs
 
 from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
+from kvfunc.core._prefix import allocate_cached, check_prefix_args, finish_cached
 from kvfunc.core._state import (
     NULL_BLOCK,
     BlockId,
@@ -35,6 +36,7 @@ from kvfunc.core._state import (
     find_group,
     usage_string,
 )
+from kvfunc.core._steps import apply_plan, plan_group, recycle_into
 from kvfunc.core._transient import GroupTransient, Transient
 
 if TYPE_CHECKING:
@@ -94,67 +96,6 @@ def check_counts(computed: object, new: object, lookahead: object, reserved: obj
 # ----------------------------------------------------------------------------
 # the per-request step (policy combinator); edits a transient in place
 
-def skip_range(g: GroupTransient, table: tuple[BlockId, ...], computed: int) -> tuple[int, int]:
-    """Positions ``lo .. k-1`` of ``table`` that slid out and are not null yet."""
-    w = g.window
-    skipped = (computed - w + 1) if w is not None else g.policy.num_skipped_tokens(computed)
-    if skipped <= 0:
-        return 0, 0
-    k = min(skipped // g.block_size, len(table))
-    lo = k
-    while lo > 0 and table[lo - 1] != NULL_BLOCK:
-        lo -= 1
-    return lo, k
-
-
-def recycle_range(g: GroupTransient, request_id: RequestId, table: tuple[BlockId, ...],
-                  lo: int, k: int, sink: DeltaBuilder | None) -> tuple[BlockId, ...]:
-    """Null positions ``lo .. k-1`` and free their blocks, highest index first."""
-    if k - lo == 1 and not g.counts_refs:  # the common case: one block left the window
-        b = table[lo]
-        g.give((b,))
-        if sink is not None:
-            sink.nulled.append((g.key, request_id, lo))
-            sink.freed.append((g.key, b))
-        return table[:lo] + (NULL_BLOCK,) + table[k:]
-    freed = g.release_blocks([table[i] for i in range(k - 1, lo - 1, -1)])
-    if sink is not None:
-        key = g.key
-        sink.nulled.extend([(key, request_id, i) for i in range(k - 1, lo - 1, -1)])
-        sink.freed.extend([(key, b) for b in freed])
-    return table[:lo] + (NULL_BLOCK,) * (k - lo) + table[k:]
-
-
-def plan_group(g: GroupTransient, table: tuple[BlockId, ...] | None, computed: int,
-               total: int) -> tuple[int, int, int, int]:
-    """Phase 1 for one request in one group: ``(lo, k, nulls, need)``.
-
-    Positions ``lo .. k-1`` slid out and will be recycled; the table then
-    gets ``nulls`` null entries and ``need`` new blocks.
-    """
-    if not table:
-        nulls, need = g.policy.plan_blocks(0, total)
-        return 0, 0, nulls, need
-    lo = k = 0
-    if g.window is not None or g.may_skip:
-        lo, k = skip_range(g, table, computed)
-    held = len(table)
-    if g.grows:
-        need = (total + g.block_size - 1) // g.block_size - held
-        return lo, k, 0, need if need > 0 else 0
-    nulls, need = g.policy.plan_blocks(held, total)
-    return lo, k, nulls, need
-
-
-def recycle_into(g: GroupTransient, request_id: RequestId, computed: int,
-                 sink: DeltaBuilder | None) -> None:
-    """Recycle whatever slid out of ``request_id``'s window in one group (no clamping)."""
-    table = g.tables.get(request_id)
-    if table:
-        lo, k = skip_range(g, table, computed)
-        if k > lo:
-            g.set_table(request_id, recycle_range(g, request_id, table, lo, k, sink))
-
 
 def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
                   lookahead: int, reserved: int, manager_keys: Collection[str] | None,
@@ -163,7 +104,7 @@ def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
 
     On a caching transient the step is :func:`kvfunc.core._prefix.allocate_cached`
     (``sink`` is then required) and the caller runs ``finish_cached`` before
-    freezing.
+    freezing (it moves the evictions into the delta).
     """
     try:
         total = computed + new + lookahead
@@ -218,31 +159,6 @@ def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
     for g, table, lo, k, nulls, need in plans:  # phase 2: apply
         apply_plan(g, request_id, table, lo, k, nulls, need, sink)
     return True
-
-
-def apply_plan(g: GroupTransient, request_id: RequestId, table: tuple[BlockId, ...] | None,
-               lo: int, k: int, nulls: int, need: int, sink: DeltaBuilder | None) -> None:
-    """Phase 2 for one request in one group: register, recycle, then take and append."""
-    if table is None:
-        table = ()
-        if sink is not None:
-            sink.registered.append((g.key, request_id))
-    if k > lo:
-        table = recycle_range(g, request_id, table, lo, k, sink)
-    if need:
-        ids = g.take(need)
-        added = (NULL_BLOCK,) * nulls + ids if nulls else ids
-    elif nulls:
-        added = (NULL_BLOCK,) * nulls
-    else:
-        added = ()
-    g.set_table(request_id, table + added if added else table)
-    if sink is not None and added:
-        key = g.key
-        if len(added) == 1:
-            sink.appended.append((key, request_id, added[0]))
-        else:
-            sink.appended.extend([(key, request_id, b) for b in added])
 
 
 def free_into(tr: Transient, request_id: RequestId, manager_keys: Collection[str] | None,
@@ -394,9 +310,3 @@ def format_usage(state: KVState) -> str:
     """
     return usage_string((g.key, g.policy.num_blocks, g.num_free) for g in state.groups)
 
-
-from kvfunc.core._prefix import (  # noqa: E402 - it builds on the step above
-    allocate_cached as allocate_cached,
-)
-from kvfunc.core._prefix import check_prefix_args as check_prefix_args  # noqa: E402
-from kvfunc.core._prefix import finish_cached as finish_cached  # noqa: E402

@@ -248,7 +248,7 @@ def make_slot_request(request_id: RequestId, fields: RequestFields,
 
     >>> make_slot_request("a", (0, 1, -2, 0, None))
     SlotRequest(request_id='a', computed_tokens=0, num_new_tokens=1, lookahead_tokens=-1,
-                reserved_tokens=0, manager_keys=None)
+                reserved_tokens=0, manager_keys=None, block_hashes=None, prefix_hit=None)
     """
     computed, new, lookahead, reserved, keys = fields
     if computed_tokens is not None:
