@@ -21,7 +21,7 @@ from typing import TypeAlias
 import numpy as np
 import torch
 
-from kvfunc.core._delta import BlocksChanged
+from kvfunc.core._delta import COPY_INTO_NEW, BlocksChanged
 from kvfunc.core._errors import (
     BlockIndexError,
     InvalidArgumentError,
@@ -205,58 +205,98 @@ def _zero(named: _Named, ids: _Ids) -> None:
 
 def apply_delta(tensors_by_key: Mapping[str, TensorSet], delta: BlocksChanged, *,
                 zero_new_blocks: bool = False) -> None:
-    """Perform what a delta asks of the cache tensors: block copies, optional zeroing.
+    """Perform what a delta asks of the cache tensors: block copies, then optional zeroing.
 
     ``tensors_by_key`` maps each manager key to its cache tensors (see
-    :func:`kvfunc.shell.cache_tensors_by_key`).  With ``zero_new_blocks``
-    the blocks the transition took from the pools are zeroed first; then the
-    copies (``copied_*``) run.  Every key's operations are checked before
-    any tensor is written.
+    :func:`kvfunc.shell.cache_tensors_by_key`).  The copies (``copied_*``:
+    copy-on-write, a saved state seeding a new request, a state saved into
+    the cache) run first, in the delta's row order: a copy that reads a
+    block an earlier copy wrote (a state saved right after its
+    copy-on-write) sees the new contents, and any other copies read their
+    sources before a destination is written, so runs of independent copies
+    are batched into one ``index_copy_`` per tensor.  Then, with
+    ``zero_new_blocks``, the blocks the transition took from the pools are
+    zeroed: appended entries that are not null, not ``shared_*`` (cached or
+    forked blocks whose KV must survive) and not the destination of a
+    ``COPY_INTO_NEW`` copy (a saved state seeding the request; plain copies
+    without positions count as such).  A state saved into the cache and
+    handed out again later in the same transition is zeroed after its copy.
+    Copies go first because a copy's source may, in the same delta, have been
+    handed out to another request as a new block.  Every key's operations
+    are checked before any tensor is written.
 
     Raises:
         MissingKeyError: the delta names a key without tensors.
         InvalidTypeError, InvalidArgumentError, BlockIndexError: as
             :func:`copy_blocks` and :func:`zero_blocks`.
 
-    >>> t = torch.ones(4, 2)
-    >>> d = BlocksChanged(appended_keys=("full",), appended_request_ids=("a",),
-    ...                   appended_block_ids=(3,), copied_keys=("full",),
-    ...                   copied_src_block_ids=(3,), copied_dst_block_ids=(1,))
+    Block 3 is copied into block 1, then handed out anew and zeroed; the
+    shared block 2 keeps its contents:
+
+    >>> t = torch.arange(1.0, 5.0).view(4, 1)
+    >>> d = BlocksChanged(appended_keys=("full", "full"), appended_request_ids=("a", "b"),
+    ...                   appended_block_ids=(2, 3), shared_keys=("full",),
+    ...                   shared_request_ids=("a",), shared_block_ids=(2,),
+    ...                   copied_keys=("full",), copied_src_block_ids=(3,),
+    ...                   copied_dst_block_ids=(1,))
     >>> apply_delta({"full": [t]}, d, zero_new_blocks=True); t[:, 0].tolist()
-    [1.0, 0.0, 1.0, 0.0]
+    [1.0, 4.0, 3.0, 0.0]
     """
     if not isinstance(delta, BlocksChanged):
         raise InvalidTypeError(f"expected a BlocksChanged delta, got {type(delta).__name__}")
-    copies: dict[str, tuple[list[int], list[int]]] = {}
+    copies: dict[str, list[tuple[int, int]]] = {}
     for key, s, d in zip(delta.copied_keys, delta.copied_src_block_ids,
                          delta.copied_dst_block_ids, strict=True):
-        srcs, dsts = copies.setdefault(key, ([], []))
-        srcs.append(s)
-        dsts.append(d)
+        copies.setdefault(key, []).append((s, d))
     zeros: dict[str, list[int]] = {}
     if zero_new_blocks:
+        kept = {(k, b) for k, b in zip(delta.shared_keys, delta.shared_block_ids, strict=True)}
+        positions = delta.copied_positions or (COPY_INTO_NEW,) * len(delta.copied_keys)
+        kept.update((k, d) for k, d, p in zip(delta.copied_keys, delta.copied_dst_block_ids,
+                                              positions, strict=True) if p == COPY_INTO_NEW)
         for key, block in zip(delta.appended_keys, delta.appended_block_ids, strict=True):
-            if block:
+            if block and (key, block) not in kept:
                 zeros.setdefault(key, []).append(block)
-    plan: list[tuple[_Named, _Ids, _Ids | None]] = []
-    for key in dict.fromkeys([*zeros, *copies]):
+    copy_plan: list[tuple[_Named, _Ids, _Ids]] = []
+    zero_plan: list[tuple[_Named, _Ids]] = []
+    for key in dict.fromkeys([*copies, *zeros]):
         if key not in tensors_by_key:
             msg = f"the delta names manager_key={key!r}, which has no tensors"
             raise MissingKeyError(msg)
         named = _named(tensors_by_key[key], f"tensors_by_key[{key!r}]")
+        for srcs, dsts in _waves(copies.get(key, ())):
+            src = _Ids(srcs, f"copy sources of {key!r}")
+            dst = _Ids(dsts, f"copy destinations of {key!r}")
+            src.check_range(named)
+            dst.check_range(named)
+            copy_plan.append((named, src, dst))
         if key in zeros:
             ids = _Ids(zeros[key], f"new blocks of {key!r}")
             ids.check_range(named)
-            plan.append((named, ids, None))
-        if key in copies:
-            src = _Ids(copies[key][0], f"copy sources of {key!r}")
-            dst = _Ids(copies[key][1], f"copy destinations of {key!r}")
-            _pair(src, dst)
-            src.check_range(named)
-            dst.check_range(named)
-            plan.append((named, src, dst))
-    for named, first, second in plan:
-        if second is None:
-            _zero(named, first)
-        else:
-            _copy(named, first, second)
+            zero_plan.append((named, ids))
+    for named, src, dst in copy_plan:
+        _copy(named, src, dst)
+    for named, ids in zero_plan:
+        _zero(named, ids)
+
+
+def _waves(pairs: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
+    """Split copies (in order) into runs that may each run at once.
+
+    A run ends before a copy whose source or destination an earlier copy of
+    the run writes, so running the runs one after the other, each reading all
+    its sources first, equals running the copies one by one.
+
+    >>> _waves([(1, 2), (2, 3), (5, 6), (1, 3)])
+    [([1], [2]), ([2, 5], [3, 6]), ([1], [3])]
+    """
+    out: list[tuple[list[int], list[int]]] = []
+    written: set[int] = set()
+    for s, d in pairs:
+        if not out or s in written or d in written:
+            out.append(([], []))
+            written = set()
+        out[-1][0].append(s)
+        out[-1][1].append(d)
+        written.add(d)
+    return out

@@ -12,6 +12,9 @@ delta names:
 * ``registered``: a request gets a row (a free row, else a new one at the end);
 * ``appended``: the new ids are written after the row's last entry;
 * ``nulled``: the recycled positions become the null block 0;
+* ``copied`` (copy-on-write, a request and a table position ``>= 0``): the
+  copy replaces its source at that position; copies that seed a new block
+  or save a state into the cache change no table;
 * ``released``: the row's entries are cleared; once a request is released
   from every group the buffer tracks, its row is freed, and the batch is
   condensed by moving the last rows into the holes (as a persistent batch
@@ -311,4 +314,5 @@ class BlockTableBuffer:
             plan.release(delta)
             plan.register(delta)
         plan.append(delta)
+        plan.copy(delta)
         plan.commit()

@@ -1,8 +1,9 @@
 """Planning and committing one delta's edits to a :class:`BlockTableBuffer`.
 
 A :class:`DeltaPlan` walks the delta's column families in replay order
-(nulls, releases, registrations, appends), checking every row, position
-and width against the buffer and collecting the writes in plain lists;
+(nulls, releases, registrations, appends, copy-on-write copies), checking
+every row, position and width against the buffer and collecting the writes
+in plain lists;
 nothing in the buffer changes until :meth:`DeltaPlan.commit`, which cannot
 fail.  That is what makes :meth:`BlockTableBuffer.apply` all-or-nothing.
 """
@@ -31,7 +32,8 @@ class DeltaPlan:
 
     Call :meth:`null`, then (when the delta changes membership)
     :meth:`release` and :meth:`register`, then :meth:`append`, then
-    :meth:`commit`.  Rows of groups the buffer does not track are skipped.
+    (when the delta copies blocks) :meth:`copy`, then :meth:`commit`.
+    Rows of groups the buffer does not track are skipped.
     """
 
     __slots__ = ("buf", "changed", "holes", "order", "puts", "rows", "zeros")
@@ -134,6 +136,52 @@ class DeltaPlan:
             cols.append(row * width + n)
             vals.append(block)
 
+    def copy(self, d: BlocksChanged) -> None:
+        """Plan the copy-on-write rows: the copy replaces its source in the request's table.
+
+        Rows with a negative position (a state seeding a block appended in
+        the same delta, a state saved into the cache) and plain copies
+        without request ids change no table.
+        """
+        if not d.copied_request_ids:
+            return
+        n = len(d.copied_keys)
+        if len(d.copied_request_ids) != n or len(d.copied_positions) != n:
+            raise mismatch("copied_request_ids and copied_positions are not parallel to "
+                           "copied_keys")
+        index, specs = self.buf._index, self.buf._specs
+        where: list[tuple[dict[int, int], set[int]] | None] = [None] * len(specs)
+        for key, rid, pos, src, dst in zip(d.copied_keys, d.copied_request_ids,
+                                           d.copied_positions, d.copied_src_block_ids,
+                                           d.copied_dst_block_ids, strict=True):
+            i = index.get(key)
+            if i is None or pos < 0:
+                continue
+            row = self.row(rid, "a copy-on-write")
+            if not pos < self.length(i, row):
+                raise mismatch(f"copy-on-write position {pos} of {rid!r} in {key!r} is past "
+                               "its table")
+            cols, vals = self.puts[i]
+            planned = where[i]
+            if planned is None:  # the planned writes (the last one wins) and clears
+                planned = where[i] = ({c: j for j, c in enumerate(cols)}, set(self.zeros[i]))
+            at, cleared = planned
+            col = row * specs[i].width + pos
+            j = at.get(col)
+            if j is not None:
+                held = vals[j]
+            else:
+                held = 0 if col in cleared else int(self.buf._flat[i][col])
+            if held != src:
+                raise mismatch(f"copy-on-write of position {pos} of {rid!r} in {key!r} "
+                               f"replaces block {src}, but the table holds {held}")
+            if j is None:
+                at[col] = len(cols)
+                cols.append(col)
+                vals.append(dst)
+            else:
+                vals[j] = dst
+
     def commit(self) -> None:
         """Write the planned edits, then condense the rows; nothing here can fail."""
         buf = self.buf
@@ -167,5 +215,5 @@ class DeltaPlan:
                         lens[dst], lens[src] = lens[src], -1
             del order[live:]
         buf._rows, buf._order = self.rows, order
-        if self.changed or self.holes or any(self.zeros):
+        if self.changed or self.holes or any(self.zeros) or any(c for c, _ in self.puts):
             buf._dirty = True

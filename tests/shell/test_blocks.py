@@ -126,8 +126,8 @@ def test_a_bad_swap_destination_leaves_every_tensor_alone() -> None:
     assert [0.0, 0.0] == [float(h.sum()) for h in host]
 
 
-def test_apply_delta_zeroes_new_blocks_then_copies() -> None:
-    """With zero_new_blocks, the blocks a transition took are zeroed; copies follow."""
+def test_apply_delta_zeroes_new_blocks_and_copies() -> None:
+    """With zero_new_blocks, the blocks a transition took are zeroed; plain copies run too."""
     state = kf.KVState.create({"full": kf.FullAttention(num_blocks=8, block_size=2),
                                "swa": kf.SlidingWindow(num_blocks=8, block_size=2,
                                                        sliding_window=2)}, 64)
