@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "reference"
-PACKAGES = ["kvfunc", "kvfunc.compat", "kvfunc.shell", "kvfunc.cli", "kvfunc.testing"]
+PACKAGES = ["kvfunc", "kvfunc.compat", "kvfunc.shell", "kvfunc.cli", "kvfunc.testing",
+            "kvfunc.events"]
 if importlib.util.find_spec("kvfunc.datadist") is not None:
     PACKAGES.append("kvfunc.datadist")
 

@@ -1,0 +1,240 @@
+"""KV events: what a transition did to the prefix cache, as vLLM-style event records.
+
+Theory of operation
+-------------------
+A caching transition's delta lists the blocks it cached (``stored_*``), the
+cached blocks it forgot because the pool handed them out again
+(``evicted_*``) and the groups whose cache was reset (``cleared_keys``).
+:func:`events_from_delta` turns those columns into the events a KV-aware
+router subscribes to, with vLLM's field names::
+
+    cleared_keys            -> AllBlocksCleared(groups)
+    evicted rows of a group -> BlockRemoved(block_hashes, medium, group, block_ids)
+    stored rows of a group  -> BlockStored(block_hashes, parent_block_hash, token_ids,
+                                           block_size, lora_id, medium, group, block_ids)
+
+Order matters: inside one transition a block can be evicted and cached again
+under another hash, so the events of one delta are the clear (a reset is a
+transition of its own), then every removal, then every store.  Consecutive
+stored rows of one group that chain (each row's parent is the previous
+row's hash) become one ``BlockStored``, as vLLM emits a request's new blocks.
+
+``group`` (the manager key) and ``block_ids`` extend vLLM's records: kvfunc
+has several groups, and the block ids let a subscriber rebuild exactly the
+``{hash: block ids}`` index of every group (:class:`CachedBlocksView`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeAlias
+
+import attrs
+
+from kvfunc.core import (
+    BlocksChanged,
+    InvalidArgumentError,
+    InvalidTypeError,
+    KVState,
+    MissingKeyError,
+)
+
+__all__ = ["MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent",
+           "KVEventBatch", "events_from_delta"]
+
+MEDIUM_GPU = "GPU"
+"""The ``medium`` of events about device blocks (vLLM's value)."""
+
+
+@attrs.frozen(slots=True)
+class BlockStored:
+    """Blocks that were cached: a chain of full blocks of one group.
+
+    Attributes:
+        block_hashes: the blocks' hashes, in chain order.
+        parent_block_hash: the hash the first block chains from (``None``
+            for a prompt's first block).
+        token_ids: the blocks' token ids, concatenated (``block_size`` per
+            block); empty for saved states (Mamba), which hold no tokens.
+        block_size: tokens per block of the group.
+        lora_id: vLLM's LoRA id; kvfunc folds adapters into the hashes
+            (``extra_keys``) and leaves it ``None``.
+        medium: where the blocks live (:data:`MEDIUM_GPU`), or ``None``.
+        group: the manager key of the group (a kvfunc extension).
+        block_ids: the block ids, one per hash (a kvfunc extension), or
+            ``None`` in events that do not carry them.
+
+    >>> e = BlockStored((b"h0", b"h1"), None, (1, 2, 3, 4), 2, group="full", block_ids=(1, 2))
+    >>> len(e.block_hashes), e.medium
+    (2, None)
+    """
+
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    group: str = ""
+    block_ids: tuple[int, ...] | None = None
+
+
+@attrs.frozen(slots=True)
+class BlockRemoved:
+    """Cached blocks of one group that were forgotten (evicted).
+
+    Attributes:
+        block_hashes: the hashes the blocks were cached under.
+        medium: where the blocks live (:data:`MEDIUM_GPU`), or ``None``.
+        group: the manager key of the group (a kvfunc extension).
+        block_ids: the block ids, one per hash (a kvfunc extension), or
+            ``None`` in events that do not carry them.
+
+    >>> BlockRemoved((b"h1",), "GPU", "full", (2,)).block_ids
+    (2,)
+    """
+
+    block_hashes: tuple[bytes, ...]
+    medium: str | None = None
+    group: str = ""
+    block_ids: tuple[int, ...] | None = None
+
+
+@attrs.frozen(slots=True)
+class AllBlocksCleared:
+    """Every cached block was forgotten (:func:`kvfunc.reset_prefix_cache`).
+
+    Attributes:
+        groups: the groups whose cache was reset (a kvfunc extension); empty
+            means every group, as in vLLM's event, which has no fields.
+
+    >>> AllBlocksCleared().groups, AllBlocksCleared(("full",)).groups
+    ((), ('full',))
+    """
+
+    groups: tuple[str, ...] = ()
+
+
+KVCacheEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+"""Any KV event: ``BlockStored | BlockRemoved | AllBlocksCleared``."""
+
+
+@attrs.frozen(slots=True)
+class KVEventBatch:
+    """The events one publisher sends at once (usually one scheduler step's).
+
+    Attributes:
+        ts: when the batch was made, in seconds (``time.time()``).
+        events: the events, in the order they happened.
+        data_parallel_rank: the engine's data-parallel rank, or ``None``.
+
+    >>> KVEventBatch(0.0, (AllBlocksCleared(),)).events
+    (AllBlocksCleared(groups=()),)
+    """
+
+    ts: float
+    events: tuple[KVCacheEvent, ...]
+    data_parallel_rank: int | None = None
+
+
+def _block_sizes(layout: Mapping[str, int] | KVState) -> Mapping[str, int]:
+    if isinstance(layout, KVState):
+        return {g.key: g.policy.block_size for g in layout.groups}
+    if not isinstance(layout, Mapping):
+        msg = f"block_sizes must be a KVState or a mapping of block sizes, got {layout!r}"
+        raise InvalidTypeError(msg)
+    return layout
+
+
+def _block_size(sizes: Mapping[str, int], key: str) -> int:
+    try:
+        size = sizes[key]
+    except KeyError:
+        raise MissingKeyError(f"no block size for group {key!r}") from None
+    if type(size) is not int or size <= 0:
+        raise InvalidArgumentError(f"block size of {key!r} must be a positive int, got {size!r}")
+    return size
+
+
+def _removals(delta: BlocksChanged, medium: str | None) -> list[KVCacheEvent]:
+    out: list[KVCacheEvent] = []
+    key: str | None = None
+    hashes: list[bytes] = []
+    ids: list[int] = []
+    for k, b, h in zip(delta.evicted_keys, delta.evicted_block_ids, delta.evicted_hashes,
+                       strict=True):
+        if k != key and hashes:
+            out.append(BlockRemoved(tuple(hashes), medium, str(key), tuple(ids)))
+            hashes, ids = [], []
+        key = k
+        hashes.append(h)
+        ids.append(b)
+    if hashes:
+        out.append(BlockRemoved(tuple(hashes), medium, str(key), tuple(ids)))
+    return out
+
+
+def _stores(delta: BlocksChanged, sizes: Mapping[str, int], medium: str | None
+            ) -> list[KVCacheEvent]:
+    out: list[KVCacheEvent] = []
+    run: list[tuple[str, int, bytes, bytes | None, tuple[int, ...]]] = []
+
+    def flush() -> None:
+        if run:
+            key = run[0][0]
+            out.append(BlockStored(
+                tuple(r[2] for r in run), run[0][3], tuple(t for r in run for t in r[4]),
+                _block_size(sizes, key), None, medium, key, tuple(r[1] for r in run)))
+            run.clear()
+
+    for row in zip(delta.stored_keys, delta.stored_block_ids, delta.stored_hashes,
+                   delta.stored_parent_hashes, delta.stored_token_ids, strict=True):
+        if not (run and row[0] == run[-1][0] and row[3] == run[-1][2]
+                and bool(row[4]) == bool(run[-1][4])):
+            flush()
+        run.append(row)
+    flush()
+    return out
+
+
+def events_from_delta(delta: BlocksChanged, block_sizes: Mapping[str, int] | KVState, *,
+                      medium: str | None = MEDIUM_GPU) -> tuple[KVCacheEvent, ...]:
+    """The KV events of one transition's delta: clear, then removals, then stores.
+
+    Args:
+        delta: the transition's delta.
+        block_sizes: ``{manager key: block size}``, or any state of the run
+            (a state's groups and block sizes never change), which gives them.
+        medium: the ``medium`` field of the events.
+
+    Returns:
+        The events, ``()`` for a delta that cached and forgot nothing (every
+        delta of a state without prefix caching).
+
+    Raises:
+        InvalidTypeError: ``delta`` is not a :class:`~kvfunc.BlocksChanged`,
+            or ``block_sizes`` is neither a state nor a mapping.
+        MissingKeyError: a stored row's group has no block size.
+        InvalidArgumentError: a block size is not a positive int.
+
+    >>> import kvfunc as kf
+    >>> s = kf.KVState.create({"full": kf.FullAttention(num_blocks=8, block_size=4)}, 64,
+    ...                       enable_prefix_caching=True)
+    >>> r = kf.allocate_slots(s, "a", 0, 9, block_hashes=kf.BlockHashes.of(range(9), 4))
+    >>> (e,) = events_from_delta(r.delta, s)
+    >>> e.token_ids, e.block_size, e.group, e.block_ids, e.parent_block_hash
+    ((0, 1, 2, 3, 4, 5, 6, 7), 4, 'full', (1, 2), None)
+    >>> events_from_delta(kf.reset_prefix_cache(r.state)[1], {"full": 4})
+    (AllBlocksCleared(groups=('full',)),)
+    """
+    if not isinstance(delta, BlocksChanged):
+        raise InvalidTypeError(f"delta must be a BlocksChanged, got {type(delta).__name__}")
+    sizes = _block_sizes(block_sizes)
+    if not (delta.cleared_keys or delta.evicted_keys or delta.stored_keys):
+        return ()
+    events: list[KVCacheEvent] = []
+    if delta.cleared_keys:
+        events.append(AllBlocksCleared(tuple(delta.cleared_keys)))
+    events.extend(_removals(delta, medium))
+    events.extend(_stores(delta, sizes, medium))
+    return tuple(events)
