@@ -193,6 +193,15 @@ class CacheGroupTransient(GroupTransient):
         shard[block_hash] = shard.get(block_hash, ()) + (b,)
         self.changed = True
 
+    def store_run(self, blocks: list[BlockId], block_hashes: list[bytes]) -> None:
+        """Cache each block under its hash (``store`` for a run, as a prefill caches)."""
+        self.writing()
+        hash_of, shard_for = self.hash_of, self._shard
+        for b, h in zip(blocks, block_hashes, strict=True):
+            hash_of[b] = h
+            shard = shard_for(h)
+            shard[h] = shard.get(h, ()) + (b,)
+
     def evict(self, b: BlockId, block_hash: bytes) -> None:
         """Forget that ``b`` caches ``block_hash`` (recorded for the delta)."""
         self.writing()

@@ -198,9 +198,9 @@ class BlockHashes:
         """
         bs = self.block_size
         done = len(self.hashes)
-        full = len(token_ids) // bs
-        if full <= done:
+        if len(token_ids) < (done + 1) * bs:  # no new full block: the common decode step
             return self
+        full = len(token_ids) // bs
         fresh = token_ids[done * bs:full * bs]
         data = _pack(fresh)
         fn = hash_function(self.hash_fn)

@@ -376,12 +376,21 @@ def store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
     p = full - 1
     while p >= 0 and table[p] and hash_of[table[p]] is None:
         p -= 1
+    first = p + 1
+    if first >= full:
+        return
     key = g.key
-    for q in range(p + 1, full):
-        b, h = table[q], hs[(q + 1) * m - 1]
-        g.store(b, h)
-        out.append((key, b, h, hs[q * m - 1] if q else None,
-                    hashes.block_token_ids(q * m, m)))
+    blocks = list(table[first:full])
+    if m == 1:
+        new = list(hs[first:full])
+        parents = [hs[first - 1] if first else None, *new[:-1]]
+        tokens: Any = hashes.blocks[first:full]
+    else:
+        new = [hs[(q + 1) * m - 1] for q in range(first, full)]
+        parents = [hs[q * m - 1] if q else None for q in range(first, full)]
+        tokens = [hashes.block_token_ids(q * m, m) for q in range(first, full)]
+    g.store_run(blocks, new)
+    out.extend(zip([key] * len(blocks), blocks, new, parents, tokens, strict=True))
 
 
 def save_state(g: CacheGroupTransient, rid: RequestId, computed: int, hashes: BlockHashes,

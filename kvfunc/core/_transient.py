@@ -175,7 +175,8 @@ class GroupTransient:
         self.owned = False
         self.changed = False
         self.src = GroupState(self.key, self.policy, self.tables, self.ring, self.head,
-                              self.count, self.detached, self._frozen_cache())
+                              self.count, self.detached,
+                              self._frozen_cache() if self.counts_refs else None)
         return self.src
 
     def _frozen_cache(self) -> Any:
