@@ -19,9 +19,10 @@ transfer are kept until the link closes (a late arrival lands there).
 :class:`TorchEndpoint` sends over one process group per link
 (``gloo`` for host memory, ``nccl`` on CUDA, ``hccl`` on Ascend NPUs).  A
 transfer is cut into messages of whole tensors of one layer, up to
-``CHUNK_BYTES`` each (a message costs a handshake on gloo, so fewer is
-faster; layers stay separate so a layer-wise push can send each as soon as
-it is computed).  The sender gathers a message's rows with one
+``CHUNK_BYTES`` each (each message costs a handshake on gloo, but several
+keep the sender's gather, the wire and the receiver's placing overlapped;
+layers stay separate so a layer-wise push can send each as soon as it is
+computed).  The sender gathers a message's rows with one
 ``index_select`` per tensor into a pooled buffer; the receiver copies them
 into its rows with one row assignment per tensor.
 """
