@@ -316,3 +316,16 @@ def test_ring_compacts_after_many_hits_and_frees() -> None:
     assert kf.replay(s0, deltas) == s
     # Each cycle hits blocks 1, 2, takes the head of 3, 4, 5 and frees it first: 3 rotate.
     assert s.group("full").free_block_ids() == (3, 4, 5, 2, 1)
+
+
+def test_batch_bounds_a_copying_request_before_planning_the_rest() -> None:
+    """A forked request that copies and grows, then a new one that no longer fits: refused."""
+    s = _state(full=kf.FullAttention(num_blocks=7, block_size=4))
+    s = kf.allocate_slots(s, "p", 0, 6).state         # blocks 1, 2 (2 is partial)
+    s, _ = kf.fork_request(s, "p", "c")               # free: 3, 4, 5, 6
+    reqs = [("c", 6, 10), ("x", 0, 8)]                # c: a copy of 2 and 2 new blocks; x: 2
+    batch = kf.allocate_batch(s, reqs)
+    seq = kf.allocate_slots(s, "c", 6, 10).state
+    assert kf.allocate_slots(seq, "x", 0, 8).ok is False
+    assert batch.refused == ("x",) and batch.state == seq
+    kf.check_invariants(batch.state)

@@ -110,9 +110,9 @@ def _plan_group(g: CacheGroupTransient, rows: list[tuple[Any, ...]], reqs: Seque
                     shared = True
                     break
                 p += 1
-            if shared:
+            if shared:  # copies (at most one per held block) and new blocks: a bound
                 complex_.add(i)
-                need_total += held
+                need_total += held + plan_group(g, table, computed, total)[3]
                 continue
             if total <= held * bs:
                 if w is not None:
