@@ -329,3 +329,60 @@ def test_batch_bounds_a_copying_request_before_planning_the_rest() -> None:
     assert kf.allocate_slots(seq, "x", 0, 8).ok is False
     assert batch.refused == ("x",) and batch.state == seq
     kf.check_invariants(batch.state)
+
+
+def test_a_state_saved_twice_into_one_block_in_a_batch_replays() -> None:
+    """Two saves into the only free block of a state group: batch == sequential == replay."""
+    s = kf.KVState.create({"m": kf.Mamba(num_blocks=4, block_size=4)}, 64,
+                          enable_prefix_caching=True)
+    s = kf.allocate_slots(kf.allocate_slots(s, "A", 0, 3).state, "C", 0, 3).state
+    reqs = [kf.SlotRequest("A", 4, 1, block_hashes=kf.BlockHashes.of(range(100, 108), 4)),
+            kf.SlotRequest("C", 4, 1, block_hashes=kf.BlockHashes.of(range(200, 208), 4))]
+    r = kf.allocate_batch(s, reqs)
+    seq = s
+    for req in reqs:
+        seq = kf.allocate_slots(seq, req[0], req[1], req[2], block_hashes=req[6]).state
+    assert r.state == seq and kf.replay(s, [r.delta]) == r.state
+    assert r.delta.copied_src_block_ids[0] == r.delta.copied_dst_block_ids[0]  # cancelled
+
+
+def test_a_hit_in_the_batch_makes_a_later_writer_copy() -> None:
+    """A hit that shares a block a later request of the step writes: it copies, as sequentially."""
+    h = kf.BlockHashes.of(range(12), 4)
+    s = kf.allocate_slots(_state(full=kf.FullAttention(num_blocks=16, block_size=4)), "B", 0,
+                          12, block_hashes=h).state
+    hit = kf.lookup_prefix(s, h, max_tokens=8)
+    reqs = [kf.SlotRequest("A", 8, 2, block_hashes=h, prefix_hit=hit), ("B", 4, 8)]
+    batch = kf.allocate_batch(s, reqs)
+    seq = kf.allocate_slots(s, "A", 8, 2, block_hashes=h, prefix_hit=hit).state
+    seq = kf.allocate_slots(seq, "B", 4, 8).state
+    assert batch.state == seq and kf.replay(s, [batch.delta]) == batch.state
+
+
+def test_batch_registers_a_new_request_with_no_tokens() -> None:
+    """A new request asking for 0 tokens is registered by a caching batch, as by one call."""
+    s = _state()
+    assert kf.allocate_batch(s, [("a", 0, 0)]).state == kf.allocate_slots(s, "a", 0, 0).state
+
+
+@pytest.mark.parametrize("hit", [
+    kf.PrefixHit(4, kf.FrozenDict({"full": (-11,)}), 4),
+    kf.PrefixHit(4, kf.FrozenDict({"full": (1, 2)}), 4),
+    kf.PrefixHit(16, kf.FrozenDict({"full": (1, 2, 3, 4)}), 16),
+])
+def test_a_hit_that_does_not_fit_the_state_or_hashes_is_rejected(hit: kf.PrefixHit) -> None:
+    """Hand-built hits with ids out of range, a wrong count, or past the hashes: typed errors."""
+    s = _admit(_state(), "a", list(range(9))).state
+    with pytest.raises(kf.InvalidArgumentError):
+        kf.allocate_slots(s, "b", hit.num_tokens, 1, block_hashes=kf.BlockHashes.of(range(9), 4),
+                          prefix_hit=hit)
+
+
+def test_batch_rejects_bad_hits_and_keys_with_typed_errors() -> None:
+    """A non-PrefixHit or malformed manager_keys in a caching batch: typed errors."""
+    s = _state()
+    h = kf.BlockHashes.of(range(9), 4)
+    with pytest.raises(kf.InvalidTypeError):
+        kf.allocate_batch(s, [("a", 0, 9, 0, 0, None, h, "hit")])
+    with pytest.raises(kf.InvalidTypeError):
+        kf.allocate_batch(s, [("a", 0, 9, 0, 0, 5, None, None)])

@@ -193,6 +193,17 @@ def check_prefix_args(state: KVState, request_id: RequestId, computed: int,
         raise InvalidArgumentError(msg)
     if set(prefix_hit.block_ids) != set(state.manager_keys):
         raise InvalidArgumentError("the prefix_hit was looked up on a state with other groups")
+    n = prefix_hit.num_tokens
+    if type(n) is not int or not 0 <= n <= hashes.num_tokens:
+        msg = f"the prefix_hit's {n!r} tokens are not covered by the block_hashes"
+        raise InvalidArgumentError(msg)
+    for g in state.groups:
+        entries, policy = prefix_hit.block_ids[g.key], g.policy
+        want = 0 if not n else n // policy.block_size if policy.grows_with_tokens else 1
+        if (not isinstance(entries, tuple) or len(entries) != want
+                or not all(type(b) is int and 0 <= b < policy.num_blocks for b in entries)):
+            msg = f"the prefix_hit's blocks of {g.key!r} do not fit the state: {entries!r}"
+            raise InvalidArgumentError(msg)
     if any(request_id in g.tables for g in state.groups):
         msg = f"request {request_id!r} is already registered; a prefix_hit admits new requests"
         raise InvalidArgumentError(msg)
@@ -334,8 +345,10 @@ def finish_cached(tr: Transient, sink: DeltaBuilder) -> None:
 
     A state saved and evicted again within one transition (a batch whose
     later requests used up the free queue) leaves no trace: its stored row
-    and its eviction cancel, so every stored row of a delta is still cached
-    at its end and events stay in the order removals, then stores.
+    and its eviction cancel, and its copy becomes a copy of the block onto
+    itself (replay still takes and returns the block), so every stored row of
+    a delta is still cached at its end and events stay in the order
+    removals, then stores.
     """
     for g in tr.groups:
         assert isinstance(g, CacheGroupTransient)
@@ -344,10 +357,15 @@ def finish_cached(tr: Transient, sink: DeltaBuilder) -> None:
             g.saved = []
             gone = [row for row in evicted if (row[1], row[2]) in saved]
             if gone:
-                stored = sink.cache_rows().stored
-                for row in gone:
+                rows = sink.cache_rows()
+                for row in gone:  # the save copies onto itself: replay takes and gives it
                     key, b, h = row
-                    stored.remove(next(r for r in stored if r[:3] == (key, b, h) and not r[4]))
+                    rows.stored.remove(next(r for r in rows.stored
+                                            if r[:3] == (key, b, h) and not r[4]))
+                    i = next(i for i, c in enumerate(rows.copied)
+                             if c[0] == key and c[2] == COPY_SAVED and c[4] == b and c[3] != b)
+                    c = rows.copied[i]
+                    rows.copied[i] = (key, c[1], COPY_SAVED, b, b, c[5])
                     evicted.remove(row)
         if evicted:
             sink.cache_rows().evicted.extend(evicted)

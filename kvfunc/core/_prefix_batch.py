@@ -16,8 +16,9 @@ start, no simple request can be refused.  Pass 2 then walks only the
 requests with something to do, in request order: a simple request applies
 its plan, a complex one runs the full per-request step (which may refuse
 it).  A simple request's plan depends only on its own table, which no other
-request touches, so the result is the sequential one; a property test
-checks it.  Otherwise (or on malformed input) the caller runs every request
+request touches, and on which of its blocks are shared: a block the step's
+hits will share counts as shared already, so the result is the sequential
+one; a property test checks it.  Otherwise (or on malformed input) the caller runs every request
 through the full step.
 """
 
@@ -29,11 +30,11 @@ from typing import Any
 from kvfunc.core._cache_transient import CacheGroupTransient
 from kvfunc.core._delta import DeltaBuilder
 from kvfunc.core._hashing import BlockHashes
-from kvfunc.core._prefix import cache_after_step, check_prefix_args
+from kvfunc.core._prefix import PrefixHit, cache_after_step, check_prefix_args
 from kvfunc.core._state import NULL_BLOCK, RequestId
 from kvfunc.core._steps import apply_plan, plan_group
 from kvfunc.core._transient import Transient
-from kvfunc.core._transitions import allocate_into, check_counts
+from kvfunc.core._transitions import allocate_into, check_counts, check_manager_keys
 
 __all__ = ["cached_batch"]
 
@@ -54,6 +55,8 @@ def _rows(reqs: Sequence[Any], limit: int, sizes: set[int]) -> list[tuple[Any, .
         width = len(req)
         if width == 8:
             rid, computed, new, lookahead, reserved, keys, hashes, hit = req
+            if type(reserved) is not int or (hit is not None and type(hit) is not PrefixHit):
+                return None
             odd = bool(reserved) or keys is not None or hit is not None
             if hashes is not None:
                 if type(hashes) is not BlockHashes:
@@ -89,6 +92,10 @@ def _plan_group(g: CacheGroupTransient, rows: list[tuple[Any, ...]], reqs: Seque
                 complex_: set[int]) -> tuple[dict[int, Any], int]:
     """One group's actions by request index, and the blocks they may take (pass 1)."""
     get, refs, hash_of, bs = g.tables.get, g.refs, g.hash_of, g.block_size
+    # Blocks the step's hits will share: writing one of them needs a copy, as it would
+    # after the hit in sequential calls.
+    hit_blocks = {b for row, req in zip(rows, reqs, strict=True) if row[5] and req[7] is not None
+                  for b in req[7].block_ids.get(g.key, ())}
     w, grows, may_skip = g.window, g.grows, g.may_skip
     actions: dict[int, Any] = {}
     need_total = 0
@@ -106,7 +113,7 @@ def _plan_group(g: CacheGroupTransient, rows: list[tuple[Any, ...]], reqs: Seque
             shared = False
             while p < held and p * bs < total:  # writes into a block someone else holds
                 b = table[p]
-                if b and refs[b] > 1:
+                if b and (refs[b] > 1 or b in hit_blocks):
                     shared = True
                     break
                 p += 1
@@ -136,7 +143,7 @@ def _plan_group(g: CacheGroupTransient, rows: list[tuple[Any, ...]], reqs: Seque
             continue
         plan = plan_group(g, table, computed, total)
         lo, k, nulls, need = plan
-        if need or nulls or k > lo:
+        if need or nulls or k > lo or table is None:
             actions[i] = (table, *plan)
             need_total += need
         elif grows:
@@ -174,6 +181,7 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
             reserved, keys, hit = (req[4], req[5], req[7]) if len(req) == 8 else (0, None, None)
             if odd:
                 check_counts(req[1], new, lookahead, reserved)
+                check_manager_keys(keys)
                 check_prefix_args(state, rid, req[1], keys, hashes, hit)
             if not allocate_into(tr, rid, req[1], new, lookahead, reserved, keys, sink, hashes,
                                  hit):

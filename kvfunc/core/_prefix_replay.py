@@ -55,6 +55,10 @@ def apply_cached_delta(tr: Transient, d: BlocksChanged,
             raise mismatch(f"cannot null position {pos} of {rid!r} in {key!r}: {table!r}")
         g.refs[table[pos]] -= 1
         g.set_table(rid, table[:pos] + (NULL_BLOCK,) + table[pos + 1:])
+    for key, pos, src in zip(d.copied_keys, d.copied_positions, d.copied_src_block_ids,
+                             strict=True):
+        if pos >= 0:  # a copy-on-write drops its reference to the source (freed below)
+            _group(tr, key).refs[src] -= 1
     for key, rid in zip(d.released_keys, d.released_request_ids, strict=True):
         g = _group(tr, key)
         if rid not in g.tables:
@@ -85,6 +89,7 @@ def apply_cached_delta(tr: Transient, d: BlocksChanged,
         if not tokens:
             saves.setdefault((key, block), []).append(i)
     consumed: set[int] = set()
+    freed = set(zip(d.freed_keys, d.freed_block_ids, strict=True))
     copies = list(zip(d.copied_keys, d.copied_request_ids, d.copied_positions,
                       d.copied_src_block_ids, d.copied_dst_block_ids,
                       d.copied_after or (len(d.appended_keys),) * len(d.copied_keys),
@@ -93,7 +98,7 @@ def apply_cached_delta(tr: Transient, d: BlocksChanged,
     appended = zip(d.appended_keys, d.appended_request_ids, d.appended_block_ids, strict=True)
     for j, (key, rid, block) in enumerate(appended):
         while done < len(copies) and copies[done][5] <= j:
-            _copy(tr, copies[done], d, saves, consumed, mismatch)
+            _copy(tr, copies[done], d, saves, consumed, freed, mismatch)
             done += 1
         g = _group(tr, key)
         table = g.tables.get(rid)
@@ -107,7 +112,7 @@ def apply_cached_delta(tr: Transient, d: BlocksChanged,
                 _take_one(g, block, mismatch)
         g.set_table(rid, table + (block,))
     for row in copies[done:]:
-        _copy(tr, row, d, saves, consumed, mismatch)
+        _copy(tr, row, d, saves, consumed, freed, mismatch)
     for i, (key, block, h) in enumerate(zip(d.stored_keys, d.stored_block_ids, d.stored_hashes,
                                             strict=True)):
         if i in consumed:
@@ -125,6 +130,7 @@ def apply_cached_delta(tr: Transient, d: BlocksChanged,
 
 def _copy(tr: Transient, row: tuple[Any, ...], d: BlocksChanged,
           saves: dict[tuple[str, BlockId], list[int]], consumed: set[int],
+          freed: set[tuple[str, BlockId]],
           mismatch: Callable[[str], ReplayMismatchError]) -> None:
     """One copy row: copy-on-write or a saved state takes its destination now."""
     key, rid, pos, src, dst, _ = row
@@ -134,8 +140,8 @@ def _copy(tr: Transient, row: tuple[Any, ...], d: BlocksChanged,
     _take_one(g, dst, mismatch)
     if pos == COPY_SAVED:
         g.refs[dst] = 0
-        rows = saves.get((key, dst))
-        if rows:  # absent when the state was evicted again in the same transition
+        rows = saves.get((key, dst)) if src != dst else None
+        if rows:  # a save evicted again in the same transition copies onto itself
             i = rows.pop(0)
             consumed.add(i)
             g.store(dst, d.stored_hashes[i])
@@ -145,4 +151,5 @@ def _copy(tr: Transient, row: tuple[Any, ...], d: BlocksChanged,
     if table is None or not 0 <= pos < len(table) or table[pos] != src:
         raise mismatch(f"cannot copy-on-write position {pos} of {rid!r} in {key!r}")
     g.set_table(rid, table[:pos] + (dst,) + table[pos + 1:])
-    g.release_blocks((src,))
+    if not g.refs[src] and (key, src) not in freed:  # its last holder was this copy
+        g.give((src,))
