@@ -179,26 +179,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         h = kf.BlockHashes.of(toks, HBS)
         hit = kf.lookup_prefix(self.state, h, max_tokens=len(toks) - 1)
         self._check_hit(hit, toks)
-        res = kf.allocate_slots(self.state, rid, hit.num_tokens, len(toks) - hit.num_tokens,
-                                block_hashes=h, prefix_hit=hit)
-        if not res.ok:
-            assert res.state is self.state
-            return
-        self.tokens[rid] = toks
-        self.computed[rid] = len(toks)
-        freed = [(k, b) for k, b in zip(res.delta.freed_keys, res.delta.freed_block_ids,
-                                        strict=True)]
-        self._commit(res.state, res.delta, freed)
-        self._write(rid, hit.num_tokens, len(toks))
+        self._run(rid, toks, hit.num_tokens, kf.allocate_slots(
+            self.state, rid, hit.num_tokens, len(toks) - hit.num_tokens, block_hashes=h,
+            prefix_hit=hit))
 
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=5))
-    def decode(self, data: st.DataObject, new: list[int]) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.tokens)))
-        start = self.computed[rid]
-        toks = self.tokens[rid] + new
-        h = kf.BlockHashes.of(toks, HBS)
-        res = kf.allocate_slots(self.state, rid, start, len(new), block_hashes=h)
+    def _run(self, rid: int, toks: list[int], start: int, res: kf.AllocationResult) -> None:
+        """Publish one request's allocation (a refusal changes nothing) and write its tokens."""
         if not res.ok:
             assert res.state is self.state
             return
@@ -208,6 +194,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                                         strict=True)]
         self._commit(res.state, res.delta, freed)
         self._write(rid, start, len(toks))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    def decode(self, data: st.DataObject, new: list[int]) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        start = self.computed[rid]
+        toks = self.tokens[rid] + new
+        h = kf.BlockHashes.of(toks, HBS)
+        self._run(rid, toks, start,
+                  kf.allocate_slots(self.state, rid, start, len(new), block_hashes=h))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), prompt=st.sampled_from(PROMPTS),
