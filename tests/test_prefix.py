@@ -33,7 +33,7 @@ def test_hashes_chain_and_depend_on_every_earlier_token() -> None:
     assert (a[0] == c[0], a[1] == c[1], a[2] != c[2]) == (True, True, True)
 
 
-def test_hashes_are_stable_across_processes() -> None:
+def test_hashes_are_sha256_of_the_parent_and_packed_tokens() -> None:
     """A block hash is sha256(parent | little-endian int64 tokens): no per-process salt."""
     root = hashlib.sha256(b"kvfunc.prefix/1-").digest()
     first = hashlib.sha256(root + struct.pack("<4q", 1, 2, 3, 4)).digest()

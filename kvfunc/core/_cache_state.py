@@ -30,13 +30,13 @@ cache size, and reads run at dict speed, unlike a persistent map.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 from pyrsistent import PVector, pvector
 
-__all__ = ["FANOUT", "GroupCache", "HashIndex", "empty_index"]
+__all__ = ["FANOUT", "GroupCache", "HashIndex", "empty_index", "live_ids"]
 
 FANOUT = 64
 _MASK = FANOUT - 1
@@ -46,6 +46,26 @@ HashIndex = tuple[tuple[dict[bytes, tuple[int, ...]], ...], ...]
 def empty_index() -> HashIndex:
     """An index with nothing cached (fresh dicts: a published index is never edited)."""
     return tuple(tuple({} for _ in range(FANOUT)) for _ in range(FANOUT))
+
+
+def live_ids(chunk: Callable[[int], Sequence[int]], chunk_size: int, head: int, cap: int,
+             num_entries: int, stale: Any) -> Iterator[int]:
+    """The live entries of a ring holding stale ones (see the module docstring).
+
+    ``chunk(i)`` reads the ring's ``i``-th chunk; ``stale[b]`` counts the
+    entries of ``b`` to skip (they come before its live one).
+    """
+    seen: dict[int, int] = {}
+    for i in range(num_entries):
+        p = (head + i) % cap
+        b = chunk(p // chunk_size)[p % chunk_size]
+        s = stale[b]
+        if s:
+            n = seen.get(b, 0)
+            if n < s:
+                seen[b] = n + 1
+                continue
+        yield b
 
 
 def shard_of(index: HashIndex, block_hash: bytes) -> dict[bytes, tuple[int, ...]]:
@@ -102,18 +122,7 @@ class GroupCache:
         """The live ring entries from ``head``: the free queue in hand-out order."""
         from kvfunc.core._state import FREE_CHUNK
 
-        stale = self.stale
-        seen: dict[int, int] = {}
-        for i in range(self.num_entries):
-            p = (head + i) % cap
-            b = ring[p // FREE_CHUNK][p % FREE_CHUNK]
-            s = stale[b]
-            if s:
-                n = seen.get(b, 0)
-                if n < s:
-                    seen[b] = n + 1
-                    continue
-            yield b
+        return live_ids(lambda c: ring[c], FREE_CHUNK, head, cap, self.num_entries, self.stale)
 
     def identity(self) -> tuple[Any, ...]:
         """What equality compares (the ring layout and stale entries do not count)."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from pyrsistent import pvector
 
-from kvfunc.core._cache_state import FANOUT, GroupCache, empty_index
+from kvfunc.core._cache_state import FANOUT, GroupCache, empty_index, live_ids
 from kvfunc.core._state import FREE_CHUNK, NULL_BLOCK, BlockId, GroupState
 from kvfunc.core._transient import CACHING_KIND, GroupTransient
 
@@ -117,21 +117,8 @@ class CacheGroupTransient(GroupTransient):
 
     def free_ids(self) -> list[BlockId]:
         """Live free ids in hand-out order (O(entries); for checks and compaction)."""
-        stale = self.stale
-        seen: dict[int, int] = {}
-        out = []
-        h, cap = self.head, self.cap
-        for i in range(self.entries):
-            p = (h + i) % cap
-            b = self._chunk(p // FREE_CHUNK)[p % FREE_CHUNK]
-            s = stale[b]
-            if s:
-                k = seen.get(b, 0)
-                if k < s:
-                    seen[b] = k + 1
-                    continue
-            out.append(b)
-        return out
+        return list(live_ids(self._chunk, FREE_CHUNK, self.head, self.cap, self.entries,
+                             self.stale))
 
     # -- references ----------------------------------------------------------------
     def release_blocks(self, ids: list[BlockId] | tuple[BlockId, ...]) -> list[BlockId]:
