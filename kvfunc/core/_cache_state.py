@@ -20,12 +20,19 @@ entry.  ``num_entries`` counts live and stale entries; the ring has twice
 the room a plain group's has and is compacted when full, so a stale entry
 costs O(1) amortised.
 
-``by_hash`` maps a block hash to the blocks cached under it, in the order
-they were stored.  It is a two-level table of ``FANOUT x FANOUT`` small
-plain dicts, indexed by the hash's first two bytes (a hash is a uniform
-digest); a transition copies, on first write, the outer tuple, one inner
-tuple and one dict, so a write costs a few hundred nanoseconds whatever the
-cache size, and reads run at dict speed, unlike a persistent map.
+``hash_of`` is the truth about what is cached.  Finding a block by its
+hash goes through ``by_hash``, a plain dict ``{hash: [block ids]}`` of
+*candidates* that every state of one lineage shares and that only ever
+grows: storing ``b`` under ``h`` appends ``b`` to ``h``'s list (once), and
+evicting ``b`` only clears ``hash_of[b]``.  A state's blocks for ``h`` are
+the candidates ``b`` with ``hash_of[b] == h``, ascending, so a lookup reads
+only that state's own (persistent) ``hash_of`` and old states are not
+changed by what later states store: a candidate a later state added is
+rejected by the old ``hash_of``.  Stores and evictions cost a dict append
+and a vector write, with no copying.  When the candidates outnumber the
+blocks twice over, a transition starts a fresh dict of its valid entries
+(older states keep the old one), which bounds the memory; a cache reset
+starts an empty one.
 """
 
 from __future__ import annotations
@@ -36,16 +43,33 @@ from typing import Any
 import attrs
 from pyrsistent import PVector, pvector
 
-__all__ = ["FANOUT", "GroupCache", "HashIndex", "empty_index", "live_ids"]
+__all__ = ["GroupCache", "HashIndex", "index_of", "live_ids", "valid_blocks"]
 
-FANOUT = 64
-_MASK = FANOUT - 1
-HashIndex = tuple[tuple[dict[bytes, tuple[int, ...]], ...], ...]
+HashIndex = dict[bytes, list[int]]
 
 
-def empty_index() -> HashIndex:
-    """An index with nothing cached (fresh dicts: a published index is never edited)."""
-    return tuple(tuple({} for _ in range(FANOUT)) for _ in range(FANOUT))
+def index_of(hash_of: Any) -> HashIndex:
+    """A fresh candidate index holding exactly the blocks ``hash_of`` caches."""
+    index: HashIndex = {}
+    for b, h in enumerate(hash_of):
+        if h is not None:
+            have = index.get(h)
+            if have is None:
+                index[h] = [b]
+            else:
+                have.append(b)
+    return index
+
+
+def valid_blocks(index: HashIndex, hash_of: Any, block_hash: bytes) -> tuple[int, ...]:
+    """The candidates of ``block_hash`` that ``hash_of`` still caches under it, ascending."""
+    found = index.get(block_hash)
+    if found is None:
+        return ()
+    if len(found) == 1:
+        b = found[0]
+        return (b,) if hash_of[b] == block_hash else ()
+    return tuple(sorted(b for b in found if hash_of[b] == block_hash))
 
 
 def live_ids(chunk: Callable[[int], Sequence[int]], chunk_size: int, head: int, cap: int,
@@ -68,11 +92,6 @@ def live_ids(chunk: Callable[[int], Sequence[int]], chunk_size: int, head: int, 
         yield b
 
 
-def shard_of(index: HashIndex, block_hash: bytes) -> dict[bytes, tuple[int, ...]]:
-    """The dict of ``index`` that holds ``block_hash``."""
-    return index[block_hash[0] & _MASK][block_hash[1] & _MASK]
-
-
 @attrs.frozen(slots=True, eq=False)
 class GroupCache:
     """Reference counts, block hashes and the hash index of one group.
@@ -80,10 +99,11 @@ class GroupCache:
     Attributes:
         refs: per block id, the number of table entries holding it.
         hash_of: per block id, the hash of the full block it caches, or None.
-        by_hash: the hash index, ``FANOUT x FANOUT`` dicts ``{hash: (block ids...)}``;
-            published dicts are never changed.
+        by_hash: the shared candidate index ``{hash: [block ids]}`` (it only
+            grows; ``hash_of`` decides which candidates are cached).
         stale: per block id, its stale ring entries.
         num_entries: ring entries from the head, live and stale.
+        num_cached_blocks: blocks whose ``hash_of`` is set.
     """
 
     refs: PVector[int]
@@ -91,6 +111,7 @@ class GroupCache:
     by_hash: HashIndex
     stale: PVector[int]
     num_entries: int
+    num_cached_blocks: int = 0
 
     @classmethod
     def create(cls, num_blocks: int) -> GroupCache:
@@ -100,22 +121,22 @@ class GroupCache:
         0
         """
         zeros = pvector([0] * num_blocks)
-        return cls(zeros, pvector([None] * num_blocks), empty_index(), zeros, num_blocks - 1)
+        return cls(zeros, pvector([None] * num_blocks), {}, zeros, num_blocks - 1)
 
     def blocks_for(self, block_hash: bytes) -> tuple[int, ...]:
-        """Blocks cached under ``block_hash`` (oldest first); ``()`` when none."""
-        return shard_of(self.by_hash, block_hash).get(block_hash, ())
+        """Blocks cached under ``block_hash`` (ascending); ``()`` when none."""
+        return valid_blocks(self.by_hash, self.hash_of, block_hash)
 
     def num_cached(self) -> int:
         """Blocks that hold a cached full block (held or evictable)."""
-        return sum(len(v) for row in self.by_hash for shard in row for v in shard.values())
+        return self.num_cached_blocks
 
     def cached(self) -> dict[bytes, tuple[int, ...]]:
-        """The whole hash index as one dict (for checks and tests)."""
+        """The cached blocks as one dict ``{hash: block ids ascending}`` (for checks and tests)."""
         out: dict[bytes, tuple[int, ...]] = {}
-        for row in self.by_hash:
-            for shard in row:
-                out.update(shard)
+        for b, h in enumerate(self.hash_of):
+            if h is not None:
+                out[h] = out.get(h, ()) + (b,)
         return out
 
     def live_entries(self, ring: PVector[tuple[int, ...]], head: int, cap: int) -> Iterator[int]:

@@ -11,7 +11,8 @@ subclass adds
   nobody holds any more;
 * ``share``: adds a reference, taking a free block out of the queue (its
   ring entry turns stale);
-* ``store`` / ``evict`` / ``clear_cache``: the hash index.
+* ``store`` / ``evict`` / ``clear_cache``: the cached hashes (and the
+  shared candidate index, see :mod:`kvfunc.core._cache_state`).
 
 Evictions are collected in ``evicted`` and moved into the delta when the
 transition finishes.
@@ -23,7 +24,7 @@ from typing import Any
 
 from pyrsistent import pvector
 
-from kvfunc.core._cache_state import FANOUT, GroupCache, empty_index, live_ids
+from kvfunc.core._cache_state import GroupCache, index_of, live_ids, valid_blocks
 from kvfunc.core._state import FREE_CHUNK, NULL_BLOCK, BlockId, GroupState
 from kvfunc.core._transient import CACHING_KIND, GroupTransient
 
@@ -33,8 +34,8 @@ __all__ = ["CacheGroupTransient"]
 class CacheGroupTransient(GroupTransient):
     """Working copy of a :class:`GroupState` with a :class:`GroupCache`."""
 
-    __slots__ = ("cache_src", "entries", "evicted", "hash_of", "owned_shards", "refs", "saved",
-                 "shards", "stale", "writable")
+    __slots__ = ("cache_src", "entries", "evicted", "hash_of", "index", "num_cached", "refs",
+                 "saved", "stale", "writable")
 
     counts_refs = True
 
@@ -51,8 +52,8 @@ class CacheGroupTransient(GroupTransient):
         self.refs: Any = cache.refs
         self.hash_of: Any = cache.hash_of
         self.stale: Any = cache.stale
-        self.shards: Any = cache.by_hash
-        self.owned_shards: set[int] | None = None  # rows, and row * FANOUT + column + FANOUT
+        self.index = cache.by_hash  # shared by the lineage: only ever appended to
+        self.num_cached = cache.num_cached_blocks
         self.entries = cache.num_entries
         self.writable = False
 
@@ -148,57 +149,36 @@ class CacheGroupTransient(GroupTransient):
         return True
 
     # -- the hash index ------------------------------------------------------------
-    def _shard(self, block_hash: bytes) -> dict[bytes, tuple[BlockId, ...]]:
-        """The dict holding ``block_hash``, copied (with the tuples above it) on first write."""
-        owned = self.owned_shards
-        if owned is None:
-            self.shards = list(self.shards)
-            owned = self.owned_shards = set()
-        r, c = block_hash[0] & (FANOUT - 1), block_hash[1] & (FANOUT - 1)
-        row = self.shards[r]
-        if r not in owned:
-            row = self.shards[r] = list(row)
-            owned.add(r)
-        cell = FANOUT + r * FANOUT + c
-        shard: dict[bytes, tuple[BlockId, ...]] = row[c]
-        if cell not in owned:
-            shard = row[c] = dict(shard)
-            owned.add(cell)
-        return shard
-
     def lookup(self, block_hash: bytes) -> tuple[BlockId, ...]:
-        """Blocks cached under ``block_hash`` (oldest first)."""
-        result: tuple[BlockId, ...] = self.shards[block_hash[0] & (FANOUT - 1)][
-            block_hash[1] & (FANOUT - 1)].get(block_hash, ())
-        return result
+        """Blocks cached under ``block_hash`` (ascending)."""
+        return valid_blocks(self.index, self.hash_of, block_hash)
 
     def store(self, b: BlockId, block_hash: bytes) -> None:
         """Cache ``b`` (a full block) under ``block_hash``."""
         self.writing()
         self.hash_of[b] = block_hash
-        shard = self._shard(block_hash)
-        shard[block_hash] = shard.get(block_hash, ()) + (b,)
+        self.num_cached += 1
+        have = self.index.setdefault(block_hash, [b])
+        if b not in have:
+            have.append(b)
         self.changed = True
 
     def store_run(self, blocks: list[BlockId], block_hashes: list[bytes]) -> None:
         """Cache each block under its hash (``store`` for a run, as a prefill caches)."""
         self.writing()
-        hash_of, shard_for = self.hash_of, self._shard
+        hash_of, add = self.hash_of, self.index.setdefault
         for b, h in zip(blocks, block_hashes, strict=True):
             hash_of[b] = h
-            shard = shard_for(h)
-            shard[h] = shard.get(h, ()) + (b,)
+            have = add(h, [b])
+            if b not in have:
+                have.append(b)
+        self.num_cached += len(blocks)
 
     def evict(self, b: BlockId, block_hash: bytes) -> None:
         """Forget that ``b`` caches ``block_hash`` (recorded for the delta)."""
         self.writing()
         self.hash_of[b] = None
-        shard = self._shard(block_hash)
-        rest = tuple(x for x in shard[block_hash] if x != b)
-        if rest:
-            shard[block_hash] = rest
-        else:
-            del shard[block_hash]
+        self.num_cached -= 1
         self.evicted.append((self.key, b, block_hash))
         self.changed = True
 
@@ -206,13 +186,11 @@ class CacheGroupTransient(GroupTransient):
         """Forget every cached hash (held blocks stay held); returns how many were cached."""
         self.writing()
         hash_of = self.hash_of
-        n = 0
         for b in range(self.policy.num_blocks):
             if hash_of[b] is not None:
                 hash_of[b] = None
-                n += 1
-        self.shards = empty_index()
-        self.owned_shards = None
+        n, self.num_cached = self.num_cached, 0
+        self.index = {}
         self.changed = True
         return n
 
@@ -220,16 +198,13 @@ class CacheGroupTransient(GroupTransient):
     def _frozen_cache(self) -> GroupCache:
         if not self.writable:
             return self.cache_src
-        shards = self.shards
-        owned = self.owned_shards
-        if owned is not None:
-            for r in owned:
-                if r < FANOUT:
-                    shards[r] = tuple(shards[r])
-            shards = tuple(shards)
-        cache = GroupCache(self.refs.persistent(), self.hash_of.persistent(), shards,
-                           self.stale.persistent(), self.entries)
-        self._open(cache)  # the published vectors and shards are shared from now on
+        hash_of = self.hash_of.persistent()
+        index = self.index
+        if len(index) > 2 * self.policy.num_blocks + 64:  # mostly stale: start a fresh one
+            index = index_of(hash_of)
+        cache = GroupCache(self.refs.persistent(), hash_of, index, self.stale.persistent(),
+                           self.entries, self.num_cached)
+        self._open(cache)  # the published vectors are shared from now on
         return cache
 
 

@@ -28,13 +28,20 @@ hashlib) is the cryptographic alternative.
 
 A :class:`BlockHashes` is a value: :meth:`BlockHashes.update` returns a new
 one with the blocks that became full, and returns ``self`` when none did,
-so calling it every step costs almost nothing between block boundaries.
+so calling it every step costs one comparison between block boundaries.
+Successive values of one request share two append-only lists (digests and
+token ids); a value owns their first ``num_blocks`` entries and never reads
+past them, and ``update`` appends in place only when nothing was appended
+after its own entries (otherwise it copies them), so extending a request
+by one block costs O(1), not a copy of every earlier digest.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
+import threading
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,6 +63,12 @@ def _sha256(data: bytes) -> bytes:
 
 def _blake2b(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=32).digest()
+
+
+# hashlib constructors, called directly in the hashing loop (one call per block fewer)
+_CONSTRUCTORS: dict[str, Callable[[bytes], Any]] = {
+    "sha256": hashlib.sha256, "blake2b": functools.partial(hashlib.blake2b, digest_size=32)}
+_APPEND = threading.Lock()  # guards the check-then-append on a shared lineage
 
 
 def hash_function(name: str) -> Callable[[bytes], bytes]:
@@ -115,7 +128,6 @@ def _pack(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-@attrs.frozen(slots=True)
 class BlockHashes:
     """The chained hashes of a request's full blocks (see the module docstring).
 
@@ -125,8 +137,9 @@ class BlockHashes:
             blocks is named by the hash of its last one).
         hash_fn: a name from :data:`HASH_FUNCTIONS`.
         root: the digest the first block chains from (salt and extra keys).
-        hashes: one digest per full block, in order.
-        blocks: the token ids of each of those blocks.
+        num_blocks: full blocks hashed.
+        hashes: one digest per full block, in order (a tuple, built on access).
+        blocks: the token ids of each of those blocks (built on access).
 
     >>> h = BlockHashes.of(range(40), block_size=16)
     >>> len(h.hashes), h.num_tokens
@@ -141,11 +154,55 @@ class BlockHashes:
     False
     """
 
+    # ``_digests`` / ``_tokens``: the lineage's shared lists (this value's entries first);
+    # ``_end``: the sequence length at which the next block is full.
+    __slots__ = ("_digests", "_end", "_fn", "_tokens", "block_size", "hash_fn", "num_blocks",
+                 "root")
+
     block_size: int
     hash_fn: str
     root: bytes
-    hashes: tuple[BlockHash, ...] = ()
-    blocks: tuple[tuple[int, ...], ...] = ()
+    num_blocks: int
+    _digests: list[BlockHash]
+    _tokens: list[int]
+    _end: int
+    _fn: Callable[[bytes], bytes]
+
+    def __init__(self, block_size: int, hash_fn: str, root: bytes,
+                 digests: list[BlockHash] | None = None, tokens: list[int] | None = None,
+                 num_blocks: int = 0) -> None:
+        fields = (("block_size", block_size), ("hash_fn", hash_fn), ("root", root),
+                  ("num_blocks", num_blocks), ("_digests", [] if digests is None else digests),
+                  ("_tokens", [] if tokens is None else tokens),
+                  ("_end", (num_blocks + 1) * block_size), ("_fn", hash_function(hash_fn)))
+        for name, value in fields:
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise attrs.exceptions.FrozenInstanceError
+
+    def __delattr__(self, name: str) -> None:
+        raise attrs.exceptions.FrozenInstanceError
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not BlockHashes:
+            return NotImplemented
+        n = self.num_blocks
+        return ((self.block_size, self.hash_fn, self.root, n)
+                == (other.block_size, other.hash_fn, other.root, other.num_blocks)
+                and self._digests[:n] == other._digests[:n])
+
+    def __hash__(self) -> int:
+        return hash((self.block_size, self.hash_fn, self.root, self.hashes))
+
+    def __repr__(self) -> str:
+        return (f"BlockHashes(block_size={self.block_size}, hash_fn={self.hash_fn!r}, "
+                f"num_blocks={self.num_blocks})")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        n = self.num_blocks
+        return (BlockHashes, (self.block_size, self.hash_fn, self.root, self._digests[:n],
+                              self._tokens[:n * self.block_size], n))
 
     @classmethod
     def of(cls, token_ids: Sequence[int], block_size: int, *, hash_fn: str = "sha256",
@@ -180,7 +237,17 @@ class BlockHashes:
     @property
     def num_tokens(self) -> int:
         """Tokens covered by the hashed full blocks."""
-        return len(self.hashes) * self.block_size
+        return self.num_blocks * self.block_size
+
+    @property
+    def hashes(self) -> tuple[BlockHash, ...]:
+        """One digest per full block, in order."""
+        return tuple(self._digests[:self.num_blocks])
+
+    @property
+    def blocks(self) -> tuple[tuple[int, ...], ...]:
+        """The token ids of each hashed block."""
+        return tuple(self.block_token_ids(i) for i in range(self.num_blocks))
 
     def update(self, token_ids: Sequence[int]) -> BlockHashes:
         """Hash the blocks that became full; ``token_ids`` is the request's whole sequence.
@@ -196,34 +263,48 @@ class BlockHashes:
         ...
         kvfunc.core._errors.InvalidTypeError: token ids must be ints in the int64 range: ...
         """
-        bs = self.block_size
-        done = len(self.hashes)
-        if len(token_ids) < (done + 1) * bs:  # no new full block: the common decode step
+        if len(token_ids) < self._end:  # no new full block: the common decode step
             return self
+        bs, n = self.block_size, self.num_blocks
         full = len(token_ids) // bs
-        fresh = token_ids[done * bs:full * bs]
+        fresh = token_ids[n * bs:full * bs]
         data = _pack(fresh)
-        fn = hash_function(self.hash_fn)
-        parent = self.hashes[-1] if done else self.root
+        parent = self._digests[n - 1] if n else self.root
         width = 8 * bs
         out = []
-        for i in range(0, len(data), width):
-            parent = fn(parent + data[i:i + width])
-            out.append(parent)
-        fresh = tuple(fresh)
-        new_blocks = tuple(fresh[i:i + bs] for i in range(0, len(fresh), bs))
-        return BlockHashes(bs, self.hash_fn, self.root, self.hashes + tuple(out),
-                           self.blocks + new_blocks)
+        ctor = _CONSTRUCTORS.get(self.hash_fn)
+        if ctor is not None:
+            for i in range(0, len(data), width):
+                parent = ctor(parent + data[i:i + width]).digest()
+                out.append(parent)
+        else:
+            fn = self._fn
+            for i in range(0, len(data), width):
+                parent = fn(parent + data[i:i + width])
+                out.append(parent)
+        digests, tokens = self._digests, self._tokens
+        with _APPEND:
+            if len(digests) == n:  # nothing appended after our entries: extend in place
+                digests.extend(out)
+                tokens.extend(fresh)
+                out = None  # type: ignore[assignment]
+        if out is not None:  # another value of the lineage went on: copy our entries
+            digests, tokens = digests[:n] + out, tokens[:n * bs]
+            tokens.extend(fresh)
+        return BlockHashes(bs, self.hash_fn, self.root, digests, tokens, full)
 
     def parent_hash(self, index: int) -> BlockHash | None:
         """The hash block ``index`` chains from (``None`` for the first block)."""
-        return self.hashes[index - 1] if index else None
+        if not 0 <= index < self.num_blocks:
+            raise IndexError(index)
+        return self._digests[index - 1] if index else None
 
     def block_token_ids(self, index: int, count: int = 1) -> tuple[int, ...]:
         """The token ids of ``count`` hashed blocks from block ``index`` on."""
-        if count == 1:
-            return self.blocks[index]
-        return tuple(t for block in self.blocks[index:index + count] for t in block)
+        if not (0 <= index and index + count <= self.num_blocks):
+            raise IndexError(index)
+        bs = self.block_size
+        return tuple(self._tokens[index * bs:(index + count) * bs])
 
 
 def check_block_hashes(value: Any) -> BlockHashes:

@@ -120,12 +120,12 @@ def lookup_prefix(state: KVState, block_hashes: BlockHashes, *,
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
         msg = f"max_tokens must be None or a non-negative int, got {max_tokens!r}"
         raise InvalidArgumentError(msg)
-    hbs, hs = hashes.block_size, hashes.hashes
+    hbs, hs = hashes.block_size, hashes._digests
     tr = Transient(state)
     groups: list[CacheGroupTransient] = list(tr.groups)  # type: ignore[arg-type]
     step = lcm(*(g.block_size for g in groups)) if groups else 1
     ratios = [_ratio(g.block_size, hashes, g.key) for g in groups]
-    limit = len(hs) * hbs
+    limit = hashes.num_blocks * hbs
     query = limit if max_tokens is None else min(limit, max_tokens)
     best = query
     for g, m in zip(groups, ratios, strict=True):  # full attention: one forward scan
@@ -212,7 +212,7 @@ def check_prefix_args(state: KVState, request_id: RequestId, computed: int,
 def _hit_fits(g: CacheGroupTransient, entries: tuple[BlockId, ...], hashes: BlockHashes,
               num_tokens: int) -> tuple[bool, int]:
     """Whether the hit's blocks still hold its hashes, and how many are free now."""
-    hs, hash_of, refs = hashes.hashes, g.hash_of, g.refs
+    hs, hash_of, refs = hashes._digests, g.hash_of, g.refs
     if not g.grows:
         return hash_of[entries[0]] == hs[num_tokens // hashes.block_size - 1], 0
     m = g.block_size // hashes.block_size
@@ -322,7 +322,7 @@ def uncached_full_block(g: CacheGroupTransient, table: tuple[BlockId, ...], writ
                          hashes: BlockHashes) -> bool:
     """Whether the last full block the step leaves behind still has to be cached."""
     bs = g.block_size
-    full = min(len(hashes.hashes) * hashes.block_size // bs, written // bs, len(table))
+    full = min(hashes.num_blocks * hashes.block_size // bs, written // bs, len(table))
     if not full:
         return False
     b = table[full - 1]
@@ -388,9 +388,9 @@ def store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
     table = g.tables.get(rid)
     if not table:
         return
-    bs, hs, hash_of = g.block_size, hashes.hashes, g.hash_of
+    bs, hs, hash_of = g.block_size, hashes._digests, g.hash_of
     m = bs // hashes.block_size
-    full = min(len(hs) // m, written // bs, len(table))
+    full = min(hashes.num_blocks // m, written // bs, len(table))
     p = full - 1
     while p >= 0 and table[p] and hash_of[table[p]] is None:
         p -= 1
@@ -399,14 +399,14 @@ def store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
         return
     key = g.key
     blocks = list(table[first:full])
+    tok = hashes._tokens
+    tokens = [tuple(tok[q * bs:(q + 1) * bs]) for q in range(first, full)]
     if m == 1:
-        new = list(hs[first:full])
+        new = hs[first:full]
         parents = [hs[first - 1] if first else None, *new[:-1]]
-        tokens: Any = hashes.blocks[first:full]
     else:
         new = [hs[(q + 1) * m - 1] for q in range(first, full)]
         parents = [hs[q * m - 1] if q else None for q in range(first, full)]
-        tokens = [hashes.block_token_ids(q * m, m) for q in range(first, full)]
     g.store_run(blocks, new)
     out.extend(zip([key] * len(blocks), blocks, new, parents, tokens, strict=True))
 
@@ -415,7 +415,7 @@ def save_state(g: CacheGroupTransient, rid: RequestId, computed: int, hashes: Bl
                sink: DeltaBuilder) -> None:
     """Copy the request's state into a free cached block, unless that state is cached."""
     index = computed // hashes.block_size - 1
-    h = hashes.hashes[index]
+    h = hashes._digests[index]
     table = g.tables.get(rid)
     if not table or g.lookup(h):
         return
@@ -426,4 +426,4 @@ def save_state(g: CacheGroupTransient, rid: RequestId, computed: int, hashes: Bl
     g.saved.append((dst, h))
     rows = sink.cache_rows()
     rows.copied.append((g.key, rid, COPY_SAVED, table[0], dst, len(sink.appended)))
-    rows.stored.append((g.key, dst, h, hashes.hashes[index - 1] if index else None, ()))
+    rows.stored.append((g.key, dst, h, hashes._digests[index - 1] if index else None, ()))

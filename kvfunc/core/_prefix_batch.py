@@ -129,7 +129,7 @@ def _plan_group(g: CacheGroupTransient, rows: list[tuple[Any, ...]], reqs: Seque
                     quiet = not may_skip
                 if quiet:  # only caching may be left to do: a block filled up
                     if hashes is not None:
-                        full = len(hashes.hashes) * hashes.block_size // bs
+                        full = hashes.num_blocks * hashes.block_size // bs
                         if written // bs < full:
                             full = written // bs
                         if full > held:

@@ -6,7 +6,7 @@ A router that routes requests to the engine holding their prefix needs each
 engine's cached blocks, without access to the engine's state.  A
 :class:`CachedBlocksView` is that knowledge as a value: per group, the same
 ``{hash: block ids}`` index as ``state.group(key).cache.cached()``, block ids
-in the order they were stored.  :meth:`CachedBlocksView.apply` returns the
+ascending.  :meth:`CachedBlocksView.apply` returns the
 view after a batch of events::
 
     AllBlocksCleared(groups)   forget the groups (every group when empty)
@@ -66,7 +66,7 @@ def _change(groups: dict[str, _Index], key: str, hashes: tuple[bytes, ...],
     for h, b in zip(hashes, ids, strict=True):
         have = now[h] if h in now else base.get(h, ())
         if store and b not in have:
-            index[h] = now[h] = have + (b,)
+            index[h] = now[h] = tuple(sorted((*have, b)))
         elif not store and b in have:
             rest = now[h] = tuple(x for x in have if x != b)
             if rest:
