@@ -115,6 +115,39 @@ def test_freed_blocks_stay_cached_until_needed_then_lru_is_evicted() -> None:
     assert (hit.num_tokens, hit.block_ids["full"]) == (4, (1,))
 
 
+def test_old_states_do_not_see_what_later_states_cache() -> None:
+    """Branches of one state cache one hash in different blocks; each sees only its own."""
+    s0 = _state(full=kf.FullAttention(num_blocks=7, block_size=4))
+    h = kf.BlockHashes.of(range(9), 4)
+    one = kf.allocate_slots(s0, "a", 0, 9, block_hashes=h).state           # caches 1, 2
+    other = kf.allocate_slots(kf.allocate_slots(s0, "x", 0, 4).state, "a", 0, 9,
+                              block_hashes=h).state                        # caches 2, 3
+    evicted = kf.allocate_slots(kf.free_request(one, "a")[0], "y", 0, 24).state
+    found = {name: kf.lookup_prefix(st, h, max_tokens=8).block_ids["full"]
+             for name, st in (("s0", s0), ("one", one), ("other", other), ("evicted", evicted))}
+    assert found == {"s0": (), "one": (1, 2), "other": (2, 3), "evicted": ()}
+    assert kf.lookup_prefix(one, h, max_tokens=8).block_ids["full"] == (1, 2)  # still
+    for st in (s0, one, other, evicted):
+        kf.check_invariants(st)
+
+
+def test_the_candidate_index_stays_bounded() -> None:
+    """Distinct prompts through a small pool: the shared index is rebuilt, old states intact."""
+    s = _state(full=kf.FullAttention(num_blocks=9, block_size=4))
+    first = s = _admit(s, 0, list(range(9))).state
+    sizes = []
+    for rid in range(1, 200):
+        s, _ = kf.free_request(s, rid - 1)
+        r = _admit(s, rid, [rid * 1000 + t for t in range(29)])
+        assert r.ok
+        s = r.state
+        sizes.append(len(s.group("full").cache.by_hash))  # type: ignore[union-attr]
+    assert max(sizes) <= 2 * 9 + 64 and sizes[-1] < max(sizes)
+    kf.check_invariants(s)
+    hit = kf.lookup_prefix(first, kf.BlockHashes.of(range(9), 4), max_tokens=8)
+    assert hit.block_ids["full"] == (1, 2)
+
+
 def test_hit_on_a_free_block_takes_it_out_of_the_queue() -> None:
     """A touched free block leaves the free queue; free counts include cached blocks."""
     s = _admit(_state(), "a", list(range(9))).state
