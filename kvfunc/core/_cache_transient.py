@@ -71,7 +71,7 @@ class CacheGroupTransient(GroupTransient):
         """Pop ``n`` live ids from the head, evicting their cached hashes."""
         self.writing()
         out: list[BlockId] = []
-        refs, stale, hash_of = self.refs, self.stale, self.hash_of
+        refs, stale, hash_of, evicted = self.refs, self.stale, self.hash_of, self.evicted
         h = self.head
         while len(out) < n:
             want = n - len(out)
@@ -85,8 +85,10 @@ class CacheGroupTransient(GroupTransient):
                 out.append(b)
                 refs[b] = 1
                 old = hash_of[b]
-                if old is not None:
-                    self.evict(b, old)
+                if old is not None:  # evict (as ``evict`` does)
+                    hash_of[b] = None
+                    self.num_cached -= 1
+                    evicted.append((self.key, b, old))
         self.head = h
         self.count -= n
         self.changed = True

@@ -69,6 +69,7 @@ def _blake2b(data: bytes) -> bytes:
 _CONSTRUCTORS: dict[str, Callable[[bytes], Any]] = {
     "sha256": hashlib.sha256, "blake2b": functools.partial(hashlib.blake2b, digest_size=32)}
 _APPEND = threading.Lock()  # guards the check-then-append on a shared lineage
+_set = object.__setattr__
 
 
 def hash_function(name: str) -> Callable[[bytes], bytes]:
@@ -156,8 +157,7 @@ class BlockHashes:
 
     # ``_digests`` / ``_tokens``: the lineage's shared lists (this value's entries first);
     # ``_end``: the sequence length at which the next block is full.
-    __slots__ = ("_digests", "_end", "_fn", "_tokens", "block_size", "hash_fn", "num_blocks",
-                 "root")
+    __slots__ = ("_digests", "_end", "_tokens", "block_size", "hash_fn", "num_blocks", "root")
 
     block_size: int
     hash_fn: str
@@ -166,17 +166,17 @@ class BlockHashes:
     _digests: list[BlockHash]
     _tokens: list[int]
     _end: int
-    _fn: Callable[[bytes], bytes]
 
     def __init__(self, block_size: int, hash_fn: str, root: bytes,
                  digests: list[BlockHash] | None = None, tokens: list[int] | None = None,
                  num_blocks: int = 0) -> None:
-        fields = (("block_size", block_size), ("hash_fn", hash_fn), ("root", root),
-                  ("num_blocks", num_blocks), ("_digests", [] if digests is None else digests),
-                  ("_tokens", [] if tokens is None else tokens),
-                  ("_end", (num_blocks + 1) * block_size), ("_fn", hash_function(hash_fn)))
-        for name, value in fields:
-            object.__setattr__(self, name, value)
+        _set(self, "block_size", block_size)
+        _set(self, "hash_fn", hash_fn)
+        _set(self, "root", root)
+        _set(self, "num_blocks", num_blocks)
+        _set(self, "_digests", [] if digests is None else digests)
+        _set(self, "_tokens", [] if tokens is None else tokens)
+        _set(self, "_end", (num_blocks + 1) * block_size)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise attrs.exceptions.FrozenInstanceError
@@ -278,7 +278,7 @@ class BlockHashes:
                 parent = ctor(parent + data[i:i + width]).digest()
                 out.append(parent)
         else:
-            fn = self._fn
+            fn = hash_function(self.hash_fn)
             for i in range(0, len(data), width):
                 parent = fn(parent + data[i:i + width])
                 out.append(parent)

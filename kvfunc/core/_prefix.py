@@ -398,8 +398,14 @@ def store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
     if first >= full:
         return
     key = g.key
-    blocks = list(table[first:full])
     tok = hashes._tokens
+    if first == full - 1:  # the common case: the block a decode step just filled
+        b, h = table[first], hs[full * m - 1]
+        g.store(b, h)
+        out.append((key, b, h, hs[first * m - 1] if first else None,
+                    tuple(tok[first * bs:full * bs])))
+        return
+    blocks = list(table[first:full])
     tokens = [tuple(tok[q * bs:(q + 1) * bs]) for q in range(first, full)]
     if m == 1:
         new = hs[first:full]
