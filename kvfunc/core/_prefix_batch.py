@@ -44,7 +44,7 @@ from kvfunc.core._transitions import allocate_into, check_counts, check_manager_
 
 __all__ = ["cached_batch"]
 
-_RID_TYPES = (int, str)
+_RID_TYPES = frozenset({int, str})
 _STORE = "store"
 
 
@@ -54,126 +54,137 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
     groups: list[CacheGroupTransient] = tr.groups  # type: ignore[assignment]
     limit = tr.max_model_len
     sizes = {g.block_size for g in groups}
-    views = [(g.tables.get, g.refs, g.hash_of, g.block_size, g.window, g.grows, g.may_skip)
-             for g in groups]
+    views = list(enumerate((g.tables.get, g.refs, g.hash_of, g.block_size, g.window, g.grows,
+                            g.may_skip) for g in groups))
     actions: list[dict[int, Any]] = [{} for _ in groups]
     need = [0] * len(groups)
     todo: list[tuple[int, Any, int, int, Any, bool]] = []  # (index, rid, computed, written, ...)
     complex_: set[int] = set()
     seen: set[Any] = set()
-    checked: set[int] = set()
+    hbs_ok = 0  # a hash block size already checked against every group
     hits: list[PrefixHit] = []
     writes: list[int] = []  # blocks simple requests write in place (a hit must not share one)
-    for i, req in enumerate(reqs):  # pass 1: validate and plan, change nothing
-        width = len(req)
-        if width == 8:
-            rid, computed, new, lookahead, reserved, keys, hashes, hit = req
-            if type(reserved) is not int:
-                return None
-            odd = bool(reserved) or keys is not None
-            if hit is not None:
-                if type(hit) is not PrefixHit:
+    try:  # a TypeError (an unhashable id, a wrong field): the full step reports it
+        for i, req in enumerate(reqs):  # pass 1: validate and plan, change nothing
+            width = len(req)
+            if width == 8:
+                rid, computed, new, lookahead, reserved, keys, hashes, hit = req
+                odd = reserved != 0 or keys is not None
+                if type(reserved) is not int:
                     return None
-                hits.append(hit)
-                odd = True
-            if hashes is not None:
-                if type(hashes) is not BlockHashes:
-                    return None
-                hbs = hashes.block_size
-                if hbs not in checked:
-                    if any(bs % hbs for bs in sizes):
+                if hit is not None:
+                    if type(hit) is not PrefixHit:
                         return None
-                    checked.add(hbs)
-        elif width == 3:
-            rid, computed, new = req
-            lookahead, hashes, odd = 0, None, False
-        elif width == 4:
-            rid, computed, new, lookahead = req
-            hashes, odd = None, False
-        else:
-            return None
-        if (type(computed) is not int or type(new) is not int or type(lookahead) is not int
-                or type(rid) not in _RID_TYPES or new < 0 or rid in seen):
-            return None
-        seen.add(rid)
-        total = computed + new + lookahead
-        if total < 0:
-            return None
-        written = computed + new
-        if computed > limit:
-            computed = limit
-        if written > limit:
-            written = limit
-        if total > limit:
-            total = limit
-        if odd:  # the full step in pass 2; bound what it may take
-            todo.append((i, rid, computed, written, hashes, True))
-            for gi, g in enumerate(groups):
-                table = g.tables.get(rid)
-                entries = hit.block_ids.get(g.key, ()) if hit is not None else ()
-                base = entries if entries and g.grows else table
-                need[gi] += (plan_group(g, base, computed, total)[3] + len(entries)
-                             + len(table or ()))
-            continue
-        acted = False
-        for gi, (get, refs, hash_of, bs, w, grows, may_skip) in enumerate(views):
-            table = get(rid)
-            if table and grows:
-                held = len(table)
-                p = computed // bs
-                shared = False
-                while p < held and p * bs < total:  # blocks written in place
-                    b = table[p]
-                    if b:
-                        if refs[b] > 1:
-                            shared = True
-                            break
-                        writes.append(b)
-                    p += 1
-                if shared:  # copies (at most one per held block) and new blocks: a bound
-                    complex_.add(i)
-                    need[gi] += held + plan_group(groups[gi], table, computed, total)[3]
+                    hits.append(hit)
+                    odd = True
+                if hashes is not None:
+                    if type(hashes) is not BlockHashes:
+                        return None
+                    if hashes.block_size != hbs_ok:
+                        hbs_ok = hashes.block_size
+                        if any(bs % hbs_ok for bs in sizes):
+                            return None
+            elif width == 3:
+                rid, computed, new = req
+                lookahead, hashes, odd = 0, None, False
+            elif width == 4:
+                rid, computed, new, lookahead = req
+                hashes, odd = None, False
+            else:
+                return None
+            if not (type(computed) is type(new) is type(lookahead) is int) or new < 0:
+                return None
+            seen.add(rid)
+            total = computed + new + lookahead
+            if total < 0:
+                return None
+            written = computed + new
+            if total > limit:
+                total = limit
+            if written > limit:
+                written = limit
+            if computed > limit:
+                computed = limit
+            if odd:  # the full step in pass 2; bound what it may take
+                todo.append((i, rid, computed, written, hashes, True))
+                for gi, g in enumerate(groups):
+                    table = g.tables.get(rid)
+                    entries = hit.block_ids.get(g.key, ()) if hit is not None else ()
+                    base = entries if entries and g.grows else table
+                    need[gi] += (plan_group(g, base, computed, total)[3] + len(entries)
+                                 + len(table or ()))
+                continue
+            acted = False
+            for gi, (get, refs, hash_of, bs, w, grows, may_skip) in views:
+                table = get(rid)
+                if table and grows:
+                    held = len(table)
+                    p = computed // bs
+                    if p < held and p * bs < total:  # blocks written in place
+                        b = table[p]
+                        if b:
+                            if refs[b] > 1:
+                                p = -1  # shared
+                            else:
+                                writes.append(b)
+                        if p >= 0 and total > (p + 1) * bs:  # several: the rest of them
+                            p += 1
+                            while p < held and p * bs < total:
+                                b = table[p]
+                                if b:
+                                    if refs[b] > 1:
+                                        p = -1
+                                        break
+                                    writes.append(b)
+                                p += 1
+                        if p < 0:  # copies (at most one per held block) and new blocks: a bound
+                            complex_.add(i)
+                            need[gi] += held + plan_group(groups[gi], table, computed, total)[3]
+                            acted = True
+                            continue
+                    if total <= held * bs:
+                        if w is not None:
+                            k = (computed - w + 1) // bs
+                            quiet = k <= 0 or table[(k if k < held else held) - 1] == NULL_BLOCK
+                        else:
+                            quiet = not may_skip
+                        if quiet:  # only caching may be left to do: a block filled up
+                            if hashes is not None:
+                                full = written // bs
+                                if full > held:
+                                    full = held
+                                if hashes.num_blocks * hashes.block_size < full * bs:
+                                    full = hashes.num_blocks * hashes.block_size // bs
+                                if full and table[full - 1] and hash_of[table[full - 1]] is None:
+                                    actions[gi][i] = _STORE
+                                    acted = True
+                            continue
+                elif table and not grows and any(b and refs[b] > 1 for b in table):
+                    complex_.add(i)  # a state it shares: copy-on-write
+                    need[gi] += plan_group(groups[gi], table, computed, total)[3] + len(table)
                     acted = True
                     continue
-                if total <= held * bs:
-                    if w is not None:
-                        k = (computed - w + 1) // bs
-                        quiet = k <= 0 or table[(k if k < held else held) - 1] == NULL_BLOCK
-                    else:
-                        quiet = not may_skip
-                    if quiet:  # only caching may be left to do: a block filled up
-                        if hashes is not None:
-                            full = hashes.num_blocks * hashes.block_size // bs
-                            if written // bs < full:
-                                full = written // bs
-                            if full > held:
-                                full = held
-                            if full and table[full - 1] and hash_of[table[full - 1]] is None:
-                                actions[gi][i] = _STORE
-                                acted = True
-                        continue
-            elif table and not grows and any(b and refs[b] > 1 for b in table):
-                complex_.add(i)  # a state it shares: copy-on-write
-                need[gi] += plan_group(groups[gi], table, computed, total)[3] + len(table)
-                acted = True
-                continue
-            g = groups[gi]
-            plan = plan_group(g, table, computed, total)
-            lo, k, nulls, more = plan
-            if more or nulls or k > lo or table is None:
-                actions[gi][i] = (table, *plan)
-                need[gi] += more
-                acted = True
-            elif grows:
-                if hashes is not None:
-                    actions[gi][i] = _STORE
+                g = groups[gi]
+                plan = plan_group(g, table, computed, total)
+                lo, k, nulls, more = plan
+                if more or nulls or k > lo or table is None:
+                    actions[gi][i] = (table, *plan)
+                    need[gi] += more
                     acted = True
-            elif (hashes is not None and computed and not computed % bs
-                  and computed <= hashes.num_tokens):
-                actions[gi][i] = _STORE  # a state at a block boundary: saved at the end
-                acted = True
-        if acted:
-            todo.append((i, rid, computed, written, hashes, False))
+                elif grows:
+                    if hashes is not None:
+                        actions[gi][i] = _STORE
+                        acted = True
+                elif (hashes is not None and computed and not computed % bs
+                      and computed <= hashes.num_tokens):
+                    actions[gi][i] = _STORE  # a state at a block boundary: saved at the end
+                    acted = True
+            if acted:
+                todo.append((i, rid, computed, written, hashes, False))
+    except TypeError:
+        return None
+    if len(seen) != len(reqs) or not _RID_TYPES.issuperset(map(type, seen)):
+        return None
     if any(n > g.count for n, g in zip(need, groups, strict=True)):
         return None
     if hits and writes:  # a hit shares a block a simple request writes: copies, one by one
