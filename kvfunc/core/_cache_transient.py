@@ -138,17 +138,24 @@ class CacheGroupTransient(GroupTransient):
         self.give(freed)
         return freed
 
-    def share(self, b: BlockId) -> bool:
-        """Add a reference to ``b``; True when it was free (it leaves the queue)."""
+    def share(self, blocks: tuple[BlockId, ...]) -> list[BlockId]:
+        """Add a reference to each real block of ``blocks``; return those that were free.
+
+        A free block leaves the queue (its ring entry turns stale).
+        """
         self.writing()
-        r = self.refs[b]
-        self.refs[b] = r + 1
+        refs, stale = self.refs, self.stale
+        touched = []
+        for b in blocks:
+            if b:
+                r = refs[b]
+                refs[b] = r + 1
+                if not r:
+                    stale[b] += 1
+                    touched.append(b)
+        self.count -= len(touched)
         self.changed = True
-        if r:
-            return False
-        self.stale[b] += 1
-        self.count -= 1
-        return True
+        return touched
 
     # -- the hash index ------------------------------------------------------------
     def lookup(self, block_hash: bytes) -> tuple[BlockId, ...]:

@@ -201,7 +201,8 @@ def check_prefix_args(state: KVState, request_id: RequestId, computed: int,
         entries, policy = prefix_hit.block_ids[g.key], g.policy
         want = 0 if not n else n // policy.block_size if policy.grows_with_tokens else 1
         if (not isinstance(entries, tuple) or len(entries) != want
-                or not all(type(b) is int and 0 <= b < policy.num_blocks for b in entries)):
+                or not set(map(type, entries)) <= {int}
+                or (entries and not 0 <= min(entries) <= max(entries) < policy.num_blocks)):
             msg = f"the prefix_hit's blocks of {g.key!r} do not fit the state: {entries!r}"
             raise InvalidArgumentError(msg)
     if any(request_id in g.tables for g in state.groups):
@@ -277,12 +278,9 @@ def allocate_cached(tr: Transient, groups: Any, request_id: RequestId, computed:
         key = g.key
         if table is None and base is not None:  # admitted with a hit: share its blocks
             sink.registered.append((key, request_id))
-            for b in base:
-                sink.appended.append((key, request_id, b))
-                if b:
-                    rows.shared.append((key, request_id, b))
-                    if g.share(b):
-                        rows.touched.append((key, b))
+            sink.appended.extend([(key, request_id, b) for b in base])
+            rows.shared.extend([(key, request_id, b) for b in base if b])
+            rows.touched.extend([(key, b) for b in g.share(base)])
             g.set_table(request_id, base)
         apply_plan(g, request_id, base, lo, k, nulls, need, sink)
         if src:

@@ -61,11 +61,9 @@ def fork_request(state: KVState, parent: RequestId, child: RequestId
         assert isinstance(g, CacheGroupTransient)
         key = g.key
         sink.registered.append((key, child))
-        for b in table:
-            sink.appended.append((key, child, b))
-            if b:
-                g.share(b)  # held by the parent: never free, so never touched
-                rows.shared.append((key, child, b))
+        sink.appended.extend([(key, child, b) for b in table])
+        rows.shared.extend([(key, child, b) for b in table if b])
+        g.share(table)  # held by the parent: never free, so none is touched
         g.set_table(child, table)
     return tr.freeze(), sink.build()
 
