@@ -30,7 +30,8 @@ only that state's own (persistent) ``hash_of`` and old states are not
 changed by what later states store: a candidate a later state added is
 rejected by the old ``hash_of``.  Stores and evictions cost a dict append
 and a vector write, with no copying.  When the candidates outnumber the
-blocks twice over, a transition starts a fresh dict of its valid entries
+blocks twice over (``num_candidates`` bounds them), a transition starts a
+fresh dict of its valid entries
 (older states keep the old one), which bounds the memory; a cache reset
 starts an empty one.
 """
@@ -69,7 +70,10 @@ def valid_blocks(index: HashIndex, hash_of: Any, block_hash: bytes) -> tuple[int
     if len(found) == 1:
         b = found[0]
         return (b,) if hash_of[b] == block_hash else ()
-    return tuple(sorted(b for b in found if hash_of[b] == block_hash))
+    valid = [b for b in found if hash_of[b] == block_hash]
+    if len(valid) > 1:
+        valid.sort()
+    return tuple(valid)
 
 
 def live_ids(chunk: Callable[[int], Sequence[int]], chunk_size: int, head: int, cap: int,
@@ -104,6 +108,9 @@ class GroupCache:
         stale: per block id, its stale ring entries.
         num_entries: ring entries from the head, live and stale.
         num_cached_blocks: blocks whose ``hash_of`` is set.
+        num_candidates: an upper bound on ``by_hash``'s candidates: the cached
+            blocks it was built with plus the stores since (a fresh index is
+            built when it passes twice the blocks).
     """
 
     refs: PVector[int]
@@ -112,6 +119,7 @@ class GroupCache:
     stale: PVector[int]
     num_entries: int
     num_cached_blocks: int = 0
+    num_candidates: int = 0
 
     @classmethod
     def create(cls, num_blocks: int) -> GroupCache:

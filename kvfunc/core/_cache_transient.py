@@ -34,8 +34,8 @@ __all__ = ["CacheGroupTransient"]
 class CacheGroupTransient(GroupTransient):
     """Working copy of a :class:`GroupState` with a :class:`GroupCache`."""
 
-    __slots__ = ("cache_src", "entries", "evicted", "hash_of", "index", "num_cached", "refs",
-                 "saved", "stale", "writable")
+    __slots__ = ("cache_src", "candidates", "entries", "evicted", "hash_of", "index",
+                 "num_cached", "refs", "saved", "stale", "writable")
 
     counts_refs = True
 
@@ -54,6 +54,7 @@ class CacheGroupTransient(GroupTransient):
         self.stale: Any = cache.stale
         self.index = cache.by_hash  # shared by the lineage: only ever appended to
         self.num_cached = cache.num_cached_blocks
+        self.candidates = cache.num_candidates
         self.entries = cache.num_entries
         self.writable = False
 
@@ -168,8 +169,9 @@ class CacheGroupTransient(GroupTransient):
         self.hash_of[b] = block_hash
         self.num_cached += 1
         have = self.index.setdefault(block_hash, [b])
-        if b not in have:
+        if have[-1] != b and b not in have:
             have.append(b)
+        self.candidates += 1
         self.changed = True
 
     def store_run(self, blocks: list[BlockId], block_hashes: list[bytes]) -> None:
@@ -179,9 +181,10 @@ class CacheGroupTransient(GroupTransient):
         for b, h in zip(blocks, block_hashes, strict=True):
             hash_of[b] = h
             have = add(h, [b])
-            if b not in have:
+            if have[-1] != b and b not in have:
                 have.append(b)
         self.num_cached += len(blocks)
+        self.candidates += len(blocks)
 
     def evict(self, b: BlockId, block_hash: bytes) -> None:
         """Forget that ``b`` caches ``block_hash`` (recorded for the delta)."""
@@ -200,6 +203,7 @@ class CacheGroupTransient(GroupTransient):
                 hash_of[b] = None
         n, self.num_cached = self.num_cached, 0
         self.index = {}
+        self.candidates = 0
         self.changed = True
         return n
 
@@ -208,11 +212,11 @@ class CacheGroupTransient(GroupTransient):
         if not self.writable:
             return self.cache_src
         hash_of = self.hash_of.persistent()
-        index = self.index
-        if len(index) > 2 * self.policy.num_blocks + 64:  # mostly stale: start a fresh one
-            index = index_of(hash_of)
+        index, candidates = self.index, self.candidates
+        if candidates > 2 * self.policy.num_blocks + 64:  # mostly stale: start a fresh one
+            index, candidates = index_of(hash_of), self.num_cached
         cache = GroupCache(self.refs.persistent(), hash_of, index, self.stale.persistent(),
-                           self.entries, self.num_cached)
+                           self.entries, self.num_cached, candidates)
         self._open(cache)  # the published vectors are shared from now on
         return cache
 
