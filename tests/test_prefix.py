@@ -6,6 +6,8 @@ import hashlib
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvfunc as kf
 
@@ -127,8 +129,8 @@ def test_old_states_do_not_see_what_later_states_cache() -> None:
              for name, st in (("s0", s0), ("one", one), ("other", other), ("evicted", evicted))}
     assert found == {"s0": (), "one": (1, 2), "other": (2, 3), "evicted": ()}
     assert kf.lookup_prefix(one, h, max_tokens=8).block_ids["full"] == (1, 2)  # still
-    for st in (s0, one, other, evicted):
-        kf.check_invariants(st)
+    for state in (s0, one, other, evicted):
+        kf.check_invariants(state)
 
 
 def test_the_candidate_index_stays_bounded() -> None:
@@ -419,3 +421,47 @@ def test_batch_rejects_bad_hits_and_keys_with_typed_errors() -> None:
         kf.allocate_batch(s, [("a", 0, 9, 0, 0, None, h, "hit")])
     with pytest.raises(kf.InvalidTypeError):
         kf.allocate_batch(s, [("a", 0, 9, 0, 0, 5, None, None)])
+
+
+def _longest_hit(state: kf.KVState, h: kf.BlockHashes, cap: int) -> int:
+    """The longest hit by the definitions, trying every length (a reference for the search)."""
+    cached = {g.key: g.cache.cached() for g in state.groups}  # type: ignore[union-attr]
+
+    def has(key: str, bs: int, pos: int) -> bool:
+        return h.hashes[(pos + 1) * bs // h.block_size - 1] in cached[key]
+
+    def accepts(g: kf.GroupState, n: int) -> bool:
+        bs, w = g.policy.block_size, g.policy.window
+        if not g.policy.grows_with_tokens:
+            return has(g.key, bs, n // bs - 1)
+        first = 0 if w is None else max(0, n - w + 1) // bs
+        return all(has(g.key, bs, p) for p in range(first, n // bs))
+
+    step = 4
+    for n in range(min(cap, h.num_tokens) // step * step, 0, -step):
+        if all(accepts(g, n) for g in state.groups):
+            return n
+    return 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_lookup_finds_the_longest_hit_on_hybrid_models(data: st.DataObject) -> None:
+    """Lookups equal a search over every length, with windows and states holding holes."""
+    extra = data.draw(st.sampled_from([
+        {"swa": kf.SlidingWindow(num_blocks=30, block_size=4, sliding_window=9)},
+        {"swa": kf.SlidingWindow(num_blocks=30, block_size=4, sliding_window=4)},
+        {"mamba": kf.Mamba(num_blocks=30, block_size=4)}]))
+    s = _state(full=kf.FullAttention(num_blocks=40, block_size=4), **extra)
+    words = st.lists(st.integers(0, 2), min_size=1, max_size=30)
+    for rid in range(data.draw(st.integers(1, 5))):
+        toks = data.draw(words)
+        r = kf.allocate_slots(s, rid, 0, len(toks), block_hashes=kf.BlockHashes.of(toks, 4))
+        if r.ok:
+            s = r.state
+        if data.draw(st.booleans()):
+            s, _ = kf.free_request(s, rid)
+    query = kf.BlockHashes.of(data.draw(words), 4)
+    cap = data.draw(st.integers(0, 40))
+    hit = kf.lookup_prefix(s, query, max_tokens=cap)
+    assert hit.num_tokens == _longest_hit(s, query, cap)

@@ -143,18 +143,25 @@ def lookup_prefix(state: KVState, block_hashes: BlockHashes, *,
             got = memo[(i, pos)] = bool(groups[i].lookup(hs[(pos + 1) * ratios[i] - 1]))
         return got
 
-    def accepts(i: int, length: int) -> bool:
+    def accepts(i: int, length: int) -> int:
+        """``length`` if group ``i`` accepts it, else a bound below it for the next try."""
         g = groups[i]
         bs = g.block_size
         if not g.grows:
-            return cached(i, length // bs - 1)
-        if g.window is not None:
+            return length if cached(i, length // bs - 1) else length - step
+        if g.window is not None:  # lengths whose window holds an uncached block all fail
             first = max(0, length - g.window + 1) // bs
-            return all(cached(i, p) for p in range(length // bs - 1, first - 1, -1))
-        return g.window is None and not g.may_skip  # a full group accepts any shorter length
+            for p in range(length // bs - 1, first - 1, -1):
+                if not cached(i, p):
+                    return p * bs
+            return length
+        return length if not g.may_skip else 0  # a full group accepts any shorter length
 
-    while best > 0 and not all(accepts(i, best) for i in range(len(groups))):
-        best -= step
+    while best > 0:
+        bound = min(accepts(i, best) for i in range(len(groups)))
+        if bound == best:
+            break
+        best = bound - bound % step
     tables: dict[str, tuple[BlockId, ...]] = {}
     for i, g in enumerate(groups):
         bs, m = g.block_size, ratios[i]
