@@ -31,12 +31,17 @@ def skip_range(g: GroupTransient, table: tuple[BlockId, ...], computed: int) -> 
 def recycle_range(g: GroupTransient, request_id: RequestId, table: tuple[BlockId, ...],
                   lo: int, k: int, sink: DeltaBuilder | None) -> tuple[BlockId, ...]:
     """Null positions ``lo .. k-1`` and free their blocks, highest index first."""
-    if k - lo == 1 and not g.counts_refs:  # the common case: one block left the window
+    if k - lo == 1:  # the common case: one block left the window
         b = table[lo]
-        g.give((b,))
+        if g.counts_refs:
+            released = bool(g.release_blocks((b,)))
+        else:
+            g.give((b,))
+            released = True
         if sink is not None:
             sink.nulled.append((g.key, request_id, lo))
-            sink.freed.append((g.key, b))
+            if released:
+                sink.freed.append((g.key, b))
         return table[:lo] + (NULL_BLOCK,) + table[k:]
     freed = g.release_blocks([table[i] for i in range(k - 1, lo - 1, -1)])
     if sink is not None:
