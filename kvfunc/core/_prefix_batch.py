@@ -54,8 +54,10 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
     groups: list[CacheGroupTransient] = tr.groups  # type: ignore[assignment]
     limit = tr.max_model_len
     sizes = {g.block_size for g in groups}
+    # per group, the blocks simple requests write in place (a hit must not share one)
+    writes: list[list[int]] = [[] for _ in groups]
     views = list(enumerate((g.tables.get, g.refs, g.hash_of, g.block_size, g.window, g.grows,
-                            g.may_skip) for g in groups))
+                            g.may_skip, w.append) for g, w in zip(groups, writes, strict=True)))
     actions: list[dict[int, Any]] = [{} for _ in groups]
     need = [0] * len(groups)
     todo: list[tuple[int, Any, int, int, Any, bool]] = []  # (index, rid, computed, written, ...)
@@ -63,7 +65,6 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
     seen: set[Any] = set()
     hbs_ok = 0  # a hash block size already checked against every group
     hits: list[PrefixHit] = []
-    writes: list[int] = []  # blocks simple requests write in place (a hit must not share one)
     try:  # a TypeError (an unhashable id, a wrong field): the full step reports it
         for i, req in enumerate(reqs):  # pass 1: validate and plan, change nothing
             width = len(req)
@@ -115,7 +116,7 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                                  + len(table or ()))
                 continue
             acted = False
-            for gi, (get, refs, hash_of, bs, w, grows, may_skip) in views:
+            for gi, (get, refs, hash_of, bs, w, grows, may_skip, wrote) in views:
                 table = get(rid)
                 if table and grows:
                     held = len(table)
@@ -126,7 +127,7 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                             if refs[b] > 1:
                                 p = -1  # shared
                             else:
-                                writes.append(b)
+                                wrote(b)
                         if p >= 0 and total > (p + 1) * bs:  # several: the rest of them
                             p += 1
                             while p < held and p * bs < total:
@@ -135,7 +136,7 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                                     if refs[b] > 1:
                                         p = -1
                                         break
-                                    writes.append(b)
+                                    wrote(b)
                                 p += 1
                         if p < 0:  # copies (at most one per held block) and new blocks: a bound
                             complex_.add(i)
@@ -187,10 +188,11 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
         return None
     if any(n > g.count for n, g in zip(need, groups, strict=True)):
         return None
-    if hits and writes:  # a hit shares a block a simple request writes: copies, one by one
-        hit_blocks = {b for hit in hits for entries in hit.block_ids.values() for b in entries}
-        if not hit_blocks.isdisjoint(writes):
-            return None
+    for g, written_blocks in zip(groups, writes, strict=True):
+        if hits and written_blocks:  # a hit shares a block written in place: one by one
+            shared = {b for hit in hits for b in hit.block_ids.get(g.key, ())}
+            if not shared.isdisjoint(written_blocks):
+                return None
     refused: list[RequestId] = []
     state = tr.src
     for i, rid, computed, written, hashes, odd in todo:  # pass 2: in request order
