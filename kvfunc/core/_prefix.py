@@ -61,7 +61,7 @@ from kvfunc.core._steps import apply_plan, plan_group
 from kvfunc.core._transient import Transient
 
 __all__ = ["PrefixHit", "allocate_cached", "cache_after_step", "check_prefix_args",
-           "copy_on_write", "finish_cached", "lookup_prefix", "uncached_full_block"]
+           "copy_on_write", "finish_cached", "lookup_prefix", "quiet", "uncached_full_block"]
 
 
 @attrs.frozen(slots=True)
@@ -252,9 +252,11 @@ def allocate_cached(tr: Transient, groups: Any, request_id: RequestId, computed:
     stores = []
     for g in groups:
         table = g.tables.get(request_id)
-        if table and hit is None and not reserved and g.grows and _quiet(g, table, computed, total):
+        if (table and hit is None and not reserved and g.grows
+                and quiet(g.block_size, g.window, g.may_skip, g.refs, table, computed, total)):
             # The common decode step: no new block, nothing slid out, nothing shared written.
-            if hashes is not None and uncached_full_block(g, table, written, hashes):
+            if hashes is not None and uncached_full_block(g.block_size, g.hash_of, table, written,
+                                                          hashes):
                 stores.append(g)  # after every group has accepted the request
             continue
         base, extra, src = table, 0, NULL_BLOCK
@@ -302,43 +304,45 @@ def allocate_cached(tr: Transient, groups: Any, request_id: RequestId, computed:
     return True
 
 
-def _quiet(g: CacheGroupTransient, table: tuple[BlockId, ...], computed: int, total: int) -> bool:
-    """True when the step needs no block, recycles none and writes no shared block."""
-    bs = g.block_size
+def quiet(bs: int, w: int | None, may_skip: bool, refs: Any, table: tuple[BlockId, ...],
+          computed: int, total: int) -> bool:
+    """True when a step needs no block, recycles none and writes no shared block.
+
+    ``bs``, ``w``, ``may_skip`` describe a growing group; ``refs`` is its
+    reference counts (None without caching: nothing is shared).
+    """
     held = len(table)
     if total > held * bs:
         return False
-    w = g.window
     if w is not None:
         k = (computed - w + 1) // bs
         if k > 0 and table[(k if k < held else held) - 1] != NULL_BLOCK:
             return False
-    elif g.may_skip:
+    elif may_skip:
         return False
-    refs = g.refs
-    for p in range(computed // bs, (total - 1) // bs + 1 if total else 0):
-        b = table[p]
-        if b and refs[b] > 1:
-            return False
+    if refs is not None:
+        for p in range(computed // bs, (total - 1) // bs + 1 if total else 0):
+            b = table[p]
+            if b and refs[b] > 1:
+                return False
     return True
 
 
-def uncached_full_block(g: CacheGroupTransient, table: tuple[BlockId, ...], written: int,
+def uncached_full_block(bs: int, hash_of: Any, table: tuple[BlockId, ...], written: int,
                          hashes: BlockHashes) -> bool:
-    """Whether the last full block the step leaves behind still has to be cached."""
-    bs = g.block_size
+    """Whether the last full block a step leaves behind still has to be cached."""
     full = min(hashes.num_blocks * hashes.block_size // bs, written // bs, len(table))
     if not full:
         return False
     b = table[full - 1]
-    return bool(b) and g.hash_of[b] is None
+    return bool(b) and hash_of[b] is None
 
 
 def cache_after_step(g: CacheGroupTransient, rid: RequestId, computed: int, written: int,
                      hashes: BlockHashes, sink: DeltaBuilder) -> None:
     """Cache what the request's step completed: full blocks, or a state at a boundary."""
     if g.grows:
-        if uncached_full_block(g, g.tables[rid], written, hashes):
+        if uncached_full_block(g.block_size, g.hash_of, g.tables[rid], written, hashes):
             store_full_blocks(g, rid, written, hashes, sink.cache_rows().stored)
     elif (computed and not computed % g.block_size and computed <= hashes.num_tokens
           and g.count):

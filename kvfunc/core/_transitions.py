@@ -27,7 +27,13 @@ import attrs
 
 from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
-from kvfunc.core._prefix import allocate_cached, check_prefix_args, finish_cached
+from kvfunc.core._prefix import (
+    allocate_cached,
+    check_prefix_args,
+    finish_cached,
+    quiet,
+    uncached_full_block,
+)
 from kvfunc.core._state import (
     NULL_BLOCK,
     BlockId,
@@ -217,6 +223,10 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
     if block_hashes is not None or prefix_hit is not None:
         check_prefix_args(state, request_id, computed_tokens, manager_keys, block_hashes,
                           prefix_hit)
+    if (prefix_hit is None and manager_keys is None and not reserved_tokens
+            and _unchanged(state, request_id, computed_tokens, num_new_tokens, lookahead_tokens,
+                           block_hashes)):
+        return AllocationResult(True, state, EMPTY_DELTA)  # what the full step would give
     tr = Transient(state)
     sink = DeltaBuilder()
     if not allocate_into(tr, request_id, computed_tokens, num_new_tokens, lookahead_tokens,
@@ -225,6 +235,41 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
     if tr.caching:
         finish_cached(tr, sink)
     return AllocationResult(True, tr.freeze(), sink.build())
+
+
+def _unchanged(state: KVState, request_id: RequestId, computed: int, new: int,
+               lookahead: int, hashes: BlockHashes | None) -> bool:
+    """True when the step changes nothing in any group: the common decode step.
+
+    Every group already holds the request's blocks, grows with tokens, has
+    nothing slide out of its window, writes no shared block and (with
+    ``hashes``) leaves no full block to cache; the full step would return
+    the input state and an empty delta.  Read on the published state, so the
+    step needs no transient.
+    """
+    total = computed + new + lookahead
+    if new < 0 or total < 0 or not state.groups:
+        return False  # the full step raises the precise error
+    limit = state.max_model_len
+    written = computed + new if computed + new < limit else limit
+    if computed > limit:
+        computed = limit
+    if total > limit:
+        total = limit
+    for g in state.groups:
+        table = g.tables.get(request_id)
+        policy = g.policy
+        if not table or not policy.grows_with_tokens:
+            return False
+        cache = g.cache
+        bs = policy.block_size
+        if not quiet(bs, policy.window, policy.may_skip, None if cache is None else cache.refs,
+                     table, computed, total):
+            return False
+        if (hashes is not None and cache is not None
+                and uncached_full_block(bs, cache.hash_of, table, written, hashes)):
+            return False
+    return True
 
 
 def free_request(state: KVState, request_id: RequestId, *,
