@@ -419,7 +419,7 @@ class Settings:
         self.quick = quick
         self.num_running = 16 if quick else 256
         self.num_steps = 48 if quick else 512  # the batched lanes (the target)
-        self.call_steps = 48 if quick else 128  # the per-call lanes (info; 3-4x slower)
+        self.call_steps = 48 if quick else 128  # the per-call lanes (info; 2-3x slower)
         self.profile_steps = 48 if quick else 128
         self.rounds = 2 if quick else 5
 

@@ -12,6 +12,10 @@ unchanged.  Phase 2 applies the plans group by group: recycled blocks go
 back to the free queue first (highest logical index first, as in the seed),
 then the new blocks are taken from its head.  The recycled blocks count as
 free in phase 1, so every accepted call hands out exactly the seed's ids.
+Most decode steps change nothing (the request writes into a block it holds
+alone, nothing slides out of a window, nothing is left to cache); such a
+step is recognised on the published state and answered with the input state
+and an empty delta, without opening a transient.
 
 ``allocate_batch`` (in ``_batch``) runs the same step for a whole scheduler
 step over one transient.
