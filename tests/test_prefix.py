@@ -465,3 +465,66 @@ def test_lookup_finds_the_longest_hit_on_hybrid_models(data: st.DataObject) -> N
     cap = data.draw(st.integers(0, 40))
     hit = kf.lookup_prefix(s, query, max_tokens=cap)
     assert hit.num_tokens == _longest_hit(s, query, cap)
+
+
+def test_a_batch_delta_with_copies_around_a_hit_replays() -> None:
+    """Copy-on-write, a hit sharing the copied block, copy-on-write again: replay follows."""
+    s = _state(full=kf.FullAttention(num_blocks=10, block_size=2))
+    h = kf.BlockHashes.of([0, 1, 2, 3], 2)
+    s = kf.allocate_slots(s, "a", 0, 4, block_hashes=h).state
+    s, _ = kf.fork_request(s, "a", "b")
+    hc = kf.BlockHashes.of([0, 1, 2, 3, 7], 2)
+    hit = kf.lookup_prefix(s, hc, max_tokens=4)
+    r = kf.allocate_batch(s, [("a", 2, 1, 0, 0, None, None, None), ("c", 4, 1, 0, 0, None, hc, hit),
+                              ("b", 2, 1, 0, 0, None, None, None)])
+    assert kf.replay(s, [r.delta]) == r.state
+    kf.check_invariants(r.state)
+
+
+def test_a_state_evicted_then_saved_again_in_one_batch_replays() -> None:
+    """An eviction before a save of the same block and hash does not undo the save."""
+    s = _state(full=kf.FullAttention(num_blocks=12, block_size=2),
+               mamba=kf.Mamba(num_blocks=4, block_size=2))
+    toks = list(range(12))
+    s = kf.allocate_slots(s, 0, 0, 8, block_hashes=kf.BlockHashes.of(toks[:8], 2)).state
+    s = kf.allocate_slots(s, 0, 8, 2, block_hashes=kf.BlockHashes.of(toks[:10], 2)).state
+    s = kf.allocate_slots(s, 0, 10, 0, block_hashes=kf.BlockHashes.of(toks[:10], 2)).state
+    h3 = kf.BlockHashes.of(toks[:8] + [99, 98, 97, 96], 2)
+    hit = kf.lookup_prefix(s, h3, max_tokens=8)
+    r = kf.allocate_batch(s, [(3, hit.num_tokens, 4, 0, 0, None, h3, hit),
+                              (0, 10, 2, 0, 0, None, kf.BlockHashes.of(toks, 2), None)])
+    assert kf.replay(s, [r.delta]) == r.state
+    assert kf.num_cached_blocks(r.state, "mamba") == 1
+
+
+def test_caching_rejects_negative_computed_tokens_and_empty_windows() -> None:
+    """A caching step reads the block at computed_tokens; a window must hold a token."""
+    s = kf.allocate_slots(_state(), "a", 0, 4).state
+    s, _ = kf.fork_request(s, "a", "b")
+    with pytest.raises(kf.InvalidArgumentError):
+        kf.allocate_slots(s, "b", -2, 1, 1)
+    with pytest.raises(kf.InvalidArgumentError):
+        kf.allocate_batch(s, [("b", -2, 1, 1)])
+    with pytest.raises(kf.InvalidArgumentError):
+        _state(swa=kf.SlidingWindow(num_blocks=8, block_size=4, sliding_window=0))
+
+
+def test_thrown_away_transitions_do_not_grow_the_shared_index() -> None:
+    """The candidate dict a live state shares stays bounded whatever branches add to it."""
+    s = _state(full=kf.FullAttention(num_blocks=9, block_size=4))
+    s = kf.allocate_slots(s, "live", 0, 5, block_hashes=kf.BlockHashes.of(range(5), 4)).state
+    for i in range(500):  # accepted, then dropped
+        toks = [i * 100 + t for t in range(24)]
+        assert kf.allocate_slots(s, i, 0, 24, block_hashes=kf.BlockHashes.of(toks, 4)).ok
+    assert len(s.group("full").cache.by_hash) <= 2 * 9 + 64 + 6  # type: ignore[union-attr]
+    hit = kf.lookup_prefix(s, kf.BlockHashes.of(range(5), 4), max_tokens=4)
+    assert hit.block_ids["full"] == (1,)
+
+
+def test_block_hashes_built_from_tuples_equal_hashed_ones() -> None:
+    """The constructor takes hashes and token blocks; bad sizes are typed errors."""
+    h = kf.BlockHashes.of(range(8), 4)
+    assert kf.BlockHashes(4, "sha256", h.root, h.hashes, h.blocks) == h
+    assert h.parent_hash(2) == h.hashes[1] and h.block_token_ids(-1) == (4, 5, 6, 7)
+    with pytest.raises(kf.InvalidArgumentError):
+        kf.BlockHashes(0, "sha256", b"r")

@@ -30,9 +30,11 @@ only that state's own (persistent) ``hash_of`` and old states are not
 changed by what later states store: a candidate a later state added is
 rejected by the old ``hash_of``.  Stores and evictions cost a dict append
 and a vector write, with no copying.  When the candidates outnumber the
-blocks twice over (``num_candidates`` bounds them), a transition starts a
-fresh dict of its valid entries
-(older states keep the old one), which bounds the memory; a cache reset
+blocks twice over (``num_candidates`` bounds this lineage's own, and a list
+grown long counts as many), a transition starts a fresh dict of its valid
+entries (older states keep the old one); a transition that finds the dict
+grown past that by others (transitions that were thrown away) starts its
+own before its first write, so the dict stays bounded.  A cache reset
 starts an empty one.
 """
 
@@ -71,9 +73,7 @@ def valid_blocks(index: HashIndex, hash_of: Any, block_hash: bytes) -> tuple[int
         b = found[0]
         return (b,) if hash_of[b] == block_hash else ()
     valid = [b for b in found if hash_of[b] == block_hash]
-    if len(valid) > 1:
-        valid.sort()
-    return tuple(valid)
+    return tuple(sorted(set(valid))) if len(valid) > 1 else tuple(valid)
 
 
 def live_ids(chunk: Callable[[int], Sequence[int]], chunk_size: int, head: int, cap: int,

@@ -30,6 +30,10 @@ from kvfunc.core._transient import CACHING_KIND, GroupTransient
 
 __all__ = ["CacheGroupTransient"]
 
+# A candidate list longer than this (a hot hash stored into many blocks over time, here
+# or in transitions that were thrown away) makes the transition rebuild the index.
+_LONG = 32
+
 
 class CacheGroupTransient(GroupTransient):
     """Working copy of a :class:`GroupState` with a :class:`GroupCache`."""
@@ -43,7 +47,9 @@ class CacheGroupTransient(GroupTransient):
         super().__init__(group)
         self._open(group.cache)
         self.evicted: list[tuple[str, BlockId, bytes]] = []
-        self.saved: list[tuple[BlockId, bytes]] = []  # states saved in this transition
+        # states saved in this transition: (block, hash, evictions before it, its stored
+        # row, its copy row)
+        self.saved: list[tuple[BlockId, bytes, int, int, int]] = []
 
     def _open(self, cache: GroupCache | None) -> None:
         """Read the published cache; vectors turn into evolvers on the first write."""
@@ -61,11 +67,17 @@ class CacheGroupTransient(GroupTransient):
     def writing(self) -> None:
         """Make the per-block vectors editable (once per transition, on the first write)."""
         if not self.writable:
+            if len(self.index) > self._limit():  # grown by others: add nothing to it
+                self.index, self.candidates = index_of(self.hash_of), self.num_cached
             self.refs = self.refs.evolver()
             self.hash_of = self.hash_of.evolver()
             self.stale = self.stale.evolver()
             self.writable = True
             self.changed = True
+
+    def _limit(self) -> int:
+        """Candidates beyond which the index is rebuilt (twice the blocks)."""
+        return 2 * self.policy.num_blocks + 64
 
     # -- the queue ---------------------------------------------------------------
     def take(self, n: int) -> tuple[BlockId, ...]:
@@ -171,6 +183,8 @@ class CacheGroupTransient(GroupTransient):
         have = self.index.setdefault(block_hash, [b])
         if have[-1] != b and b not in have:
             have.append(b)
+            if len(have) > _LONG:  # hot hash: rebuild at the end of the transition
+                self.candidates += self.policy.num_blocks
         self.candidates += 1
         self.changed = True
 
@@ -183,6 +197,8 @@ class CacheGroupTransient(GroupTransient):
             have = add(h, [b])
             if have[-1] != b and b not in have:
                 have.append(b)
+                if len(have) > _LONG:  # hot hash: rebuild at the end of the transition
+                    self.candidates += self.policy.num_blocks
         self.num_cached += len(blocks)
         self.candidates += len(blocks)
 
@@ -213,7 +229,7 @@ class CacheGroupTransient(GroupTransient):
             return self.cache_src
         hash_of = self.hash_of.persistent()
         index, candidates = self.index, self.candidates
-        if candidates > 2 * self.policy.num_blocks + 64:  # mostly stale: start a fresh one
+        if candidates > self._limit():  # mostly stale: start a fresh one
             index, candidates = index_of(hash_of), self.num_cached
         cache = GroupCache(self.refs.persistent(), hash_of, index, self.stale.persistent(),
                            self.entries, self.num_cached, candidates)

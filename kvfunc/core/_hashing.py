@@ -168,15 +168,32 @@ class BlockHashes:
     _end: int
 
     def __init__(self, block_size: int, hash_fn: str, root: bytes,
-                 digests: list[BlockHash] | None = None, tokens: list[int] | None = None,
-                 num_blocks: int = 0) -> None:
+                 hashes: Sequence[BlockHash] = (),
+                 blocks: Sequence[Sequence[int]] = ()) -> None:
+        if type(block_size) is not int or block_size <= 0:
+            msg = f"block_size must be a positive int, got {block_size!r}"
+            raise InvalidArgumentError(msg)
+        hash_function(hash_fn)  # a known name, or a typed error
+        self._fill(block_size, hash_fn, root, list(hashes), [t for b in blocks for t in b],
+                   len(hashes))
+
+    def _fill(self, block_size: int, hash_fn: str, root: bytes, digests: list[BlockHash],
+              tokens: list[int], num_blocks: int) -> None:
         _set(self, "block_size", block_size)
         _set(self, "hash_fn", hash_fn)
         _set(self, "root", root)
         _set(self, "num_blocks", num_blocks)
-        _set(self, "_digests", [] if digests is None else digests)
-        _set(self, "_tokens", [] if tokens is None else tokens)
+        _set(self, "_digests", digests)
+        _set(self, "_tokens", tokens)
         _set(self, "_end", (num_blocks + 1) * block_size)
+
+    @classmethod
+    def _make(cls, block_size: int, hash_fn: str, root: bytes, digests: list[BlockHash],
+              tokens: list[int], num_blocks: int) -> BlockHashes:
+        """A value owning the first ``num_blocks`` entries of the shared lists."""
+        value = cls.__new__(cls)
+        value._fill(block_size, hash_fn, root, digests, tokens, num_blocks)
+        return value
 
     def __setattr__(self, name: str, value: object) -> None:
         raise attrs.exceptions.FrozenInstanceError
@@ -200,9 +217,8 @@ class BlockHashes:
                 f"num_blocks={self.num_blocks})")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        n = self.num_blocks
-        return (BlockHashes, (self.block_size, self.hash_fn, self.root, self._digests[:n],
-                              self._tokens[:n * self.block_size], n))
+        return (BlockHashes, (self.block_size, self.hash_fn, self.root, self.hashes,
+                              self.blocks))
 
     @classmethod
     def of(cls, token_ids: Sequence[int], block_size: int, *, hash_fn: str = "sha256",
@@ -222,9 +238,7 @@ class BlockHashes:
         >>> BlockHashes.of([1, 2, 3], 2).hashes[0].hex()[:8]
         '23d3d67d'
         """
-        if type(block_size) is not int or block_size <= 0:
-            msg = f"block_size must be a positive int, got {block_size!r}"
-            raise InvalidArgumentError(msg)
+        value = cls(block_size, hash_fn, b"")  # checks the block size and the name
         fn = hash_function(hash_fn)
         if isinstance(extra_keys, str | bytes) or not isinstance(extra_keys, Sequence):
             msg = f"extra_keys must be a sequence of keys, got {extra_keys!r}"
@@ -232,7 +246,8 @@ class BlockHashes:
         seed = [_TAG]
         seed.append(b"-" if cache_salt is None else _encode_key(cache_salt))
         seed.extend(_encode_key(k) for k in extra_keys)
-        return cls(block_size, hash_fn, fn(b"".join(seed))).update(token_ids)
+        _set(value, "root", fn(b"".join(seed)))
+        return value.update(token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -291,20 +306,22 @@ class BlockHashes:
         if out is not None:  # another value of the lineage went on: copy our entries
             digests, tokens = digests[:n] + out, tokens[:n * bs]
             tokens.extend(fresh)
-        return BlockHashes(bs, self.hash_fn, self.root, digests, tokens, full)
+        return BlockHashes._make(bs, self.hash_fn, self.root, digests, tokens, full)
 
     def parent_hash(self, index: int) -> BlockHash | None:
         """The hash block ``index`` chains from (``None`` for the first block)."""
-        if not 0 <= index < self.num_blocks:
-            raise IndexError(index)
-        return self._digests[index - 1] if index else None
+        if 0 < index <= self.num_blocks:
+            return self._digests[index - 1]
+        return self.hashes[index - 1] if index else None  # tuple indexing past the fast case
 
     def block_token_ids(self, index: int, count: int = 1) -> tuple[int, ...]:
         """The token ids of ``count`` hashed blocks from block ``index`` on."""
-        if not (0 <= index and index + count <= self.num_blocks):
-            raise IndexError(index)
-        bs = self.block_size
-        return tuple(self._tokens[index * bs:(index + count) * bs])
+        if 0 <= index and index + count <= self.num_blocks:
+            bs = self.block_size
+            return tuple(self._tokens[index * bs:(index + count) * bs])
+        if count == 1:  # tuple indexing and slicing, as a tuple of blocks gives
+            return self.blocks[index]
+        return tuple(t for block in self.blocks[index:index + count] for t in block)
 
 
 def check_block_hashes(value: Any) -> BlockHashes:

@@ -364,18 +364,21 @@ def finish_cached(tr: Transient, sink: DeltaBuilder) -> None:
         evicted, saved = g.evicted, g.saved
         if saved:
             g.saved = []
-            gone = [row for row in evicted if (row[1], row[2]) in saved]
+            gone: set[int] = set()  # evictions that undo a save of this transition
+            rows = sink.cache_rows()
+            undone = []
+            for b, h, first, stored_at, copied_at in saved:
+                for i in range(first, len(evicted)):  # the first eviction after the save
+                    if i not in gone and evicted[i][1] == b and evicted[i][2] == h:
+                        gone.add(i)
+                        undone.append(stored_at)
+                        c = rows.copied[copied_at]  # copies onto itself: replay takes, gives
+                        rows.copied[copied_at] = (c[0], c[1], COPY_SAVED, b, b, c[5])
+                        break
+            for i in sorted(undone, reverse=True):
+                del rows.stored[i]
             if gone:
-                rows = sink.cache_rows()
-                for row in gone:  # the save copies onto itself: replay takes and gives it
-                    key, b, h = row
-                    rows.stored.remove(next(r for r in rows.stored
-                                            if r[:3] == (key, b, h) and not r[4]))
-                    i = next(i for i, c in enumerate(rows.copied)
-                             if c[0] == key and c[2] == COPY_SAVED and c[4] == b and c[3] != b)
-                    c = rows.copied[i]
-                    rows.copied[i] = (key, c[1], COPY_SAVED, b, b, c[5])
-                    evicted.remove(row)
+                evicted = [row for i, row in enumerate(evicted) if i not in gone]
         if evicted:
             sink.cache_rows().evicted.extend(evicted)
             g.evicted = []
@@ -438,7 +441,7 @@ def save_state(g: CacheGroupTransient, rid: RequestId, computed: int, hashes: Bl
     g.refs[dst] = 0
     g.store(dst, h)
     g.give((dst,))
-    g.saved.append((dst, h))
     rows = sink.cache_rows()
+    g.saved.append((dst, h, len(g.evicted), len(rows.stored), len(rows.copied)))
     rows.copied.append((g.key, rid, COPY_SAVED, table[0], dst, len(sink.appended)))
     rows.stored.append((g.key, dst, h, hashes._digests[index - 1] if index else None, ()))

@@ -63,9 +63,9 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
     todo: list[tuple[int, Any, int, int, Any, bool]] = []  # (index, rid, computed, written, ...)
     complex_: set[int] = set()
     seen: set[Any] = set()
-    hbs_ok = 0  # a hash block size already checked against every group
+    hbs_ok: int | None = None  # a hash block size already checked against every group
     hits: list[PrefixHit] = []
-    try:  # a TypeError (an unhashable id, a wrong field): the full step reports it
+    try:
         for i, req in enumerate(reqs):  # pass 1: validate and plan, change nothing
             width = len(req)
             if width == 8:
@@ -83,7 +83,8 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                         return None
                     if hashes.block_size != hbs_ok:
                         hbs_ok = hashes.block_size
-                        if any(bs % hbs_ok for bs in sizes):
+                        if type(hbs_ok) is not int or hbs_ok <= 0 or any(bs % hbs_ok
+                                                                          for bs in sizes):
                             return None
             elif width == 3:
                 rid, computed, new = req
@@ -93,7 +94,8 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                 hashes, odd = None, False
             else:
                 return None
-            if not (type(computed) is type(new) is type(lookahead) is int) or new < 0:
+            if not (type(computed) is type(new) is type(lookahead) is int) or new < 0 \
+                    or computed < 0:
                 return None
             seen.add(rid)
             total = computed + new + lookahead
@@ -182,17 +184,17 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                     acted = True
             if acted:
                 todo.append((i, rid, computed, written, hashes, False))
-    except TypeError:
+        for g, written_blocks in zip(groups, writes, strict=True):
+            if hits and written_blocks:  # a hit shares a block written in place: one by one
+                shared = {b for hit in hits for b in hit.block_ids.get(g.key, ())}
+                if not shared.isdisjoint(written_blocks):
+                    return None
+    except (TypeError, AttributeError, ValueError):  # malformed: the full step reports it
         return None
     if len(seen) != len(reqs) or not _RID_TYPES.issuperset(map(type, seen)):
         return None
     if any(n > g.count for n, g in zip(need, groups, strict=True)):
         return None
-    for g, written_blocks in zip(groups, writes, strict=True):
-        if hits and written_blocks:  # a hit shares a block written in place: one by one
-            shared = {b for hit in hits for b in hit.block_ids.get(g.key, ())}
-            if not shared.isdisjoint(written_blocks):
-                return None
     refused: list[RequestId] = []
     state = tr.src
     for i, rid, computed, written, hashes, odd in todo:  # pass 2: in request order

@@ -5,8 +5,10 @@ re-enter the queue, then the hits' touched blocks leave it, then
 registrations, appends (shared entries add a reference, the others are taken
 from the head, evicting what they held) interleaved with copies as
 ``copied_after`` says (copy-on-write and saved states take their destination
-then; a saved state is cached at once, so a later take evicts it as the
-transition did), the other stored hashes, and cache resets.  Within a
+then; a copy-on-write drops its source's reference then too, or before the
+frees when the delta frees that source; a saved state is cached at once, so
+a later take evicts it as the transition did), the other stored hashes, and
+cache resets.  Within a
 transition a block is only ever freed before it is touched and touched
 before anything is taken, and stored blocks are held until the transition
 ends, so this order reproduces the transition exactly.
@@ -55,9 +57,10 @@ def apply_cached_delta(tr: Transient, d: BlocksChanged,
             raise mismatch(f"cannot null position {pos} of {rid!r} in {key!r}: {table!r}")
         g.refs[table[pos]] -= 1
         g.set_table(rid, table[:pos] + (NULL_BLOCK,) + table[pos + 1:])
+    freed = set(zip(d.freed_keys, d.freed_block_ids, strict=True))
     for key, pos, src in zip(d.copied_keys, d.copied_positions, d.copied_src_block_ids,
                              strict=True):
-        if pos >= 0:  # a copy-on-write drops its reference to the source (freed below)
+        if pos >= 0 and (key, src) in freed:  # its source is freed below: drop it first
             _group(tr, key).refs[src] -= 1
     for key, rid in zip(d.released_keys, d.released_request_ids, strict=True):
         g = _group(tr, key)
@@ -89,7 +92,6 @@ def apply_cached_delta(tr: Transient, d: BlocksChanged,
         if not tokens:
             saves.setdefault((key, block), []).append(i)
     consumed: set[int] = set()
-    freed = set(zip(d.freed_keys, d.freed_block_ids, strict=True))
     copies = list(zip(d.copied_keys, d.copied_request_ids, d.copied_positions,
                       d.copied_src_block_ids, d.copied_dst_block_ids,
                       d.copied_after or (len(d.appended_keys),) * len(d.copied_keys),
@@ -151,5 +153,7 @@ def _copy(tr: Transient, row: tuple[Any, ...], d: BlocksChanged,
     if table is None or not 0 <= pos < len(table) or table[pos] != src:
         raise mismatch(f"cannot copy-on-write position {pos} of {rid!r} in {key!r}")
     g.set_table(rid, table[:pos] + (dst,) + table[pos + 1:])
-    if not g.refs[src] and (key, src) not in freed:  # its last holder was this copy
-        g.give((src,))
+    if (key, src) not in freed:  # drop the source here, in order with the step's shares
+        g.refs[src] -= 1
+        if not g.refs[src]:  # its last holder was this copy
+            g.give((src,))

@@ -204,6 +204,12 @@ class KVState:
             msg = f"enable_prefix_caching must be a bool, but got {enable_prefix_caching!r}"
             raise InvalidArgumentError(msg)
         items = policies_by_key(groups)
+        if enable_prefix_caching:
+            for k, p in items:
+                if p.window is not None and p.window < 1:
+                    msg = (f"group {k!r}: prefix caching needs a window of at least one token, "
+                           f"got {p.window}")
+                    raise InvalidArgumentError(msg)
         return cls(max_model_len, tuple(GroupState.create(k, p, caching=enable_prefix_caching)
                                         for k, p in items))
 

@@ -136,6 +136,9 @@ def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
         raise InvalidArgumentError("num_tokens must be non-negative")
     if tr.caching:
         assert sink is not None
+        if computed < 0:  # a caching step reads the block at ``computed``: it must exist
+            msg = f"computed_tokens must be non-negative with prefix caching, got {computed}"
+            raise InvalidArgumentError(msg)
         written = computed + new if computed + new < limit else limit
         return allocate_cached(tr, groups, request_id, computed, written, total, reserved, sink,
                                hashes, hit)
@@ -252,8 +255,8 @@ def _unchanged(state: KVState, request_id: RequestId, computed: int, new: int,
     step needs no transient.
     """
     total = computed + new + lookahead
-    if new < 0 or total < 0 or not state.groups:
-        return False  # the full step raises the precise error
+    if new < 0 or total < 0 or computed < 0 or not state.groups:
+        return False  # the full step raises the precise error (or does what the seed does)
     limit = state.max_model_len
     written = computed + new if computed + new < limit else limit
     if computed > limit:
