@@ -19,11 +19,12 @@ Python's ``hash``).
 
 Digest functions, by measurement (``benchmarks/bench_prefix.py``): hashlib's
 ``sha256`` (the default; collision-resistant, so one tenant cannot forge a
-block that another tenant's request would read) costs ~2 us per block;
-``xxh3_128`` (PyPI ``xxhash``, the ``fast-hash`` extra) costs about half; its
-128 bits make an accidental collision negligible (~2^-64 after 2^32 blocks)
-but it is not collision-resistant against a chosen input, so use it only
-where every prompt comes from one trusted tenant.  ``blake2b`` (256-bit,
+block that another tenant's request would read) costs 1-2 us per 16-token
+block on a 2-core machine, packing included; ``xxh3_128`` (PyPI ``xxhash``,
+the ``fast-hash`` extra) costs about half; its 128 bits make an accidental
+collision negligible (~2^-64 after 2^32 blocks) but it is not
+collision-resistant against a chosen input, so use it only where every
+prompt comes from one trusted tenant.  ``blake2b`` (256-bit,
 hashlib) is the cryptographic alternative.
 
 A :class:`BlockHashes` is a value: :meth:`BlockHashes.update` returns a new
