@@ -11,7 +11,7 @@ subclass adds
   nobody holds any more;
 * ``share``: adds a reference, taking a free block out of the queue (its
   ring entry turns stale);
-* ``store`` / ``evict`` / ``clear_cache``: the cached hashes (and the
+* ``store`` / ``clear_cache``: the cached hashes (and the
   shared candidate index, see :mod:`kvfunc.core._cache_state`).
 
 Evictions are collected in ``evicted`` and moved into the delta when the
@@ -98,7 +98,7 @@ class CacheGroupTransient(GroupTransient):
                 out.append(b)
                 refs[b] = 1
                 old = hash_of[b]
-                if old is not None:  # evict (as ``evict`` does)
+                if old is not None:  # evicted: recorded for the delta
                     hash_of[b] = None
                     self.num_cached -= 1
                     evicted.append((self.key, b, old))
@@ -201,14 +201,6 @@ class CacheGroupTransient(GroupTransient):
                     self.candidates += self.policy.num_blocks
         self.num_cached += len(blocks)
         self.candidates += len(blocks)
-
-    def evict(self, b: BlockId, block_hash: bytes) -> None:
-        """Forget that ``b`` caches ``block_hash`` (recorded for the delta)."""
-        self.writing()
-        self.hash_of[b] = None
-        self.num_cached -= 1
-        self.evicted.append((self.key, b, block_hash))
-        self.changed = True
 
     def clear_cache(self) -> int:
         """Forget every cached hash (held blocks stay held); returns how many were cached."""
