@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+import sys
 import threading
 from array import array
 from collections.abc import Callable, Sequence
@@ -71,6 +72,7 @@ _CONSTRUCTORS: dict[str, Callable[[bytes], Any]] = {
     "sha256": hashlib.sha256, "blake2b": functools.partial(hashlib.blake2b, digest_size=32)}
 _APPEND = threading.Lock()  # guards the check-then-append on a shared lineage
 _set = object.__setattr__
+_BIG_ENDIAN = sys.byteorder == "big"  # token ids are hashed little-endian everywhere
 
 
 def hash_function(name: str) -> Callable[[bytes], bytes]:
@@ -125,7 +127,7 @@ def _pack(token_ids: Sequence[int]) -> bytes:
     except (TypeError, OverflowError) as exc:
         msg = f"token ids must be ints in the int64 range: {exc}"
         raise InvalidTypeError(msg) from None
-    if struct.pack("=h", 1) != struct.pack("<h", 1):  # pragma: no cover - big-endian hosts
+    if _BIG_ENDIAN:  # pragma: no cover - big-endian hosts
         packed.byteswap()
     return packed.tobytes()
 

@@ -130,10 +130,16 @@ def lookup_prefix(state: KVState, block_hashes: BlockHashes, *,
     best = query
     for g, m in zip(groups, ratios, strict=True):  # full attention: one forward scan
         if g.grows and g.window is None and not g.may_skip:
+            index, hash_of, bs = g.index, g.hash_of, g.block_size
             j = 0
-            while (j + 1) * g.block_size <= best and g.lookup(hs[(j + 1) * m - 1]):
+            while (j + 1) * bs <= best:  # ``g.lookup`` inlined: the admission's longest loop
+                h = hs[(j + 1) * m - 1]
+                found = index.get(h)
+                if found is None or (hash_of[found[0]] != h
+                                     and not any(hash_of[b] == h for b in found)):
+                    break
                 j += 1
-            best = j * g.block_size
+            best = j * bs
     best -= best % step
     memo: dict[tuple[int, int], bool] = {}
 
