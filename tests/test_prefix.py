@@ -6,7 +6,7 @@ import hashlib
 import struct
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import kvfunc as kf
@@ -444,7 +444,7 @@ def _longest_hit(state: kf.KVState, h: kf.BlockHashes, cap: int) -> int:
     return 0
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_lookup_finds_the_longest_hit_on_hybrid_models(data: st.DataObject) -> None:
     """Lookups equal a search over every length, with windows and states holding holes."""
@@ -454,17 +454,25 @@ def test_lookup_finds_the_longest_hit_on_hybrid_models(data: st.DataObject) -> N
         {"mamba": kf.Mamba(num_blocks=30, block_size=4)}]))
     s = _state(full=kf.FullAttention(num_blocks=40, block_size=4), **extra)
     words = st.lists(st.integers(0, 2), min_size=1, max_size=30)
+    prompts = []
     for rid in range(data.draw(st.integers(1, 5))):
         toks = data.draw(words)
-        r = kf.allocate_slots(s, rid, 0, len(toks), block_hashes=kf.BlockHashes.of(toks, 4))
-        if r.ok:
-            s = r.state
+        prompts.append(toks)
+        h = kf.BlockHashes.of(toks, 4)
+        split = 4 * data.draw(st.integers(0, len(toks) // 4))  # chunked: states and windows
+        for computed, new in ((0, split), (split, len(toks) - split)):  # ... cached midway
+            r = kf.allocate_slots(s, rid, computed, new, block_hashes=h)
+            if r.ok:
+                s = r.state
         if data.draw(st.booleans()):
             s, _ = kf.free_request(s, rid)
-    query = kf.BlockHashes.of(data.draw(words), 4)
-    cap = data.draw(st.integers(0, 40))
+    shared = data.draw(st.sampled_from(prompts))  # a query sharing a prefix of a prompt
+    query = kf.BlockHashes.of(shared[:data.draw(st.integers(0, len(shared)))]
+                              + data.draw(words), 4)
+    cap = data.draw(st.one_of(st.just(40), st.integers(0, 40)))
     hit = kf.lookup_prefix(s, query, max_tokens=cap)
     assert hit.num_tokens == _longest_hit(s, query, cap)
+    event(f"{next(iter(extra))}: {'hit' if hit.num_tokens else 'no hit'}")
 
 
 def test_a_batch_delta_with_copies_around_a_hit_replays() -> None:

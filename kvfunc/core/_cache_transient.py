@@ -20,6 +20,7 @@ transition finishes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pyrsistent import pvector
@@ -177,19 +178,10 @@ class CacheGroupTransient(GroupTransient):
 
     def store(self, b: BlockId, block_hash: bytes) -> None:
         """Cache ``b`` (a full block) under ``block_hash``."""
-        self.writing()
-        self.hash_of[b] = block_hash
-        self.num_cached += 1
-        have = self.index.setdefault(block_hash, [b])
-        if have[-1] != b and b not in have:
-            have.append(b)
-            if len(have) > _LONG:  # hot hash: rebuild at the end of the transition
-                self.candidates += self.policy.num_blocks
-        self.candidates += 1
-        self.changed = True
+        self.store_run((b,), (block_hash,))
 
-    def store_run(self, blocks: list[BlockId], block_hashes: list[bytes]) -> None:
-        """Cache each block under its hash (``store`` for a run, as a prefill caches)."""
+    def store_run(self, blocks: Sequence[BlockId], block_hashes: Sequence[bytes]) -> None:
+        """Cache each block under its hash (a prefill caches a run)."""
         self.writing()
         hash_of, add = self.hash_of, self.index.setdefault
         for b, h in zip(blocks, block_hashes, strict=True):
@@ -197,8 +189,8 @@ class CacheGroupTransient(GroupTransient):
             have = add(h, [b])
             if have[-1] != b and b not in have:
                 have.append(b)
-                if len(have) > _LONG:  # hot hash: rebuild at the end of the transition
-                    self.candidates += self.policy.num_blocks
+                if len(have) > _LONG:  # a hot hash: rebuild the index when freezing
+                    self.candidates = self._limit() + 1
         self.num_cached += len(blocks)
         self.candidates += len(blocks)
 
