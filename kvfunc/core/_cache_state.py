@@ -131,10 +131,6 @@ class GroupCache:
         zeros = pvector([0] * num_blocks)
         return cls(zeros, pvector([None] * num_blocks), {}, zeros, num_blocks - 1)
 
-    def blocks_for(self, block_hash: bytes) -> tuple[int, ...]:
-        """Blocks cached under ``block_hash`` (ascending); ``()`` when none."""
-        return valid_blocks(self.by_hash, self.hash_of, block_hash)
-
     def num_cached(self) -> int:
         """Blocks that hold a cached full block (held or evictable)."""
         return self.num_cached_blocks
