@@ -17,8 +17,9 @@ Each side of link ``n`` then owns a :class:`Link`: a channel under
 that hands each request (a pull to serve, a push to receive) to a small
 thread pool, and the transport :class:`Endpoint`.  A request's later
 messages use keys of its own (``x/<tid>/...``), so transfers on one link
-run side by side.  A transfer that times out marks the link broken: the
-caller unlinks, links again and retries.
+run side by side; each side numbers its transfers in its own half of the
+tag space (:class:`TransferIds`).  A transfer that times out marks the link
+broken: the caller unlinks, links again and retries.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import attrs
 import torch
 
 from kvfunc.core._errors import LLMError
-from kvfunc.datadist._backends import Endpoint
+from kvfunc.datadist._backends import TAG_SPACE, Endpoint
 from kvfunc.datadist._channel import QueueReader, StoreChannel, start_store_server
 from kvfunc.datadist._errors import (
     InvalidParamError,
@@ -51,7 +52,7 @@ from kvfunc.datadist._protocol import (
 )
 from kvfunc.datadist._types import ClusterInfo, LLMRole
 
-__all__ = ["Acceptor", "Link", "LinkContext", "connect"]
+__all__ = ["Acceptor", "Link", "LinkContext", "TransferIds", "connect"]
 
 log = logging.getLogger("kvfunc.datadist")
 ROOT = "kvfunc"
@@ -74,6 +75,35 @@ class LinkContext:
     executor: ThreadPoolExecutor  # serves requests of every link of the cluster
 
 
+class TransferIds:
+    """Transfer ids of one side of a link, drawn locally (no round trip).
+
+    Side ``rank`` numbers its transfers in its own half of the tag space,
+    so the two sides never draw the same id; a transfer's tags
+    ``tid .. tid + num_tags - 1`` never leave that half (the count starts
+    over instead).
+
+    >>> a, b = TransferIds(0), TransferIds(1)
+    >>> a.take(4), a.take(1), b.take(4)
+    (1, 5, 536870913)
+    >>> a.next = TAG_SPACE // 2 - 2; a.take(4)
+    1
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.base, self.next = rank * (TAG_SPACE // 2), 1
+        self.lock = threading.Lock()
+
+    def take(self, num_tags: int) -> int:
+        """The first of ``num_tags`` (at least one) consecutive fresh ids."""
+        n = max(1, num_tags)
+        with self.lock:
+            if self.next + n > TAG_SPACE // 2:
+                self.next = 1
+            tid, self.next = self.next, self.next + n
+        return self.base + tid
+
+
 class Link:
     """One end of a link to ``peer_cluster_id`` (see the module docstring)."""
 
@@ -88,6 +118,7 @@ class Link:
         self.closed = False
         self._serving: set[Future[None]] = set()
         self._serving_lock = threading.Lock()
+        self._tids = TransferIds(rank)
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name=f"kvfunc-link{link_id}-inbox")
 
@@ -103,7 +134,7 @@ class Link:
 
     def new_tid(self, num_tags: int) -> int:
         """A transfer id unique on this link, followed by ``num_tags - 1`` free tags."""
-        return self.channel.add("tid", max(1, num_tags)) - max(1, num_tags) + 1
+        return self._tids.take(num_tags)
 
     def check_usable(self) -> None:
         """Raise :class:`LinkFailedError` if an earlier failure broke the link."""
