@@ -25,6 +25,19 @@ layers stay separate so a layer-wise push can send each as soon as it is
 computed).  The sender gathers a message's rows with one
 ``index_select`` per tensor into a pooled buffer; the receiver copies them
 into its rows with one row assignment per tensor.
+
+On gloo two things keep the wire busy from the first byte:
+
+* **Receives posted early.**  A gloo receive needs nothing from the sender,
+  so the receiver of a pull posts its receives before it asks
+  (``Endpoint.posts_early``); the data flows as soon as the sender has
+  gathered it, not one control round trip later.  The request lists the
+  messages posted (``Incoming.starts``); a sender that refuses the transfer
+  completes each with an empty message (``Endpoint.drain``), so the
+  receiver gets its staging buffer back.
+* **A sending thread.**  A gloo send whose receive is already posted writes
+  to the socket in the calling thread; a thread of the link's own posts the
+  sends, so gathering the next message overlaps writing this one.
 """
 
 from __future__ import annotations
@@ -37,6 +50,8 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
@@ -137,6 +152,7 @@ class Outgoing(abc.ABC):
     descriptor: dict[str, Any]
     copies_source: bool = False
     on_copied: Callable[[], None] | None = None
+    starts: Sequence[int] = ()  # each message's first tensor (none if not in messages)
 
     @abc.abstractmethod
     def send(self, indices: Sequence[int]) -> None:
@@ -148,7 +164,13 @@ class Outgoing(abc.ABC):
 
 
 class Incoming(abc.ABC):
-    """The receiving half of one transfer: staging, then one copy into the rows."""
+    """The receiving half of one transfer: staging, then one copy into the rows.
+
+    ``starts`` lists the first tensor of each message it waits for, as the
+    sender's ``Outgoing.starts`` must (none where there are no messages).
+    """
+
+    starts: Sequence[int] = ()
 
     def __init__(self, tensors: Sequence[torch.Tensor], rows: Sequence[int],
                  staging_device: torch.device, buffers: BufferPool | None = None) -> None:
@@ -186,9 +208,29 @@ class Incoming(abc.ABC):
     def abandon(self) -> None:
         """Give up: keep what a late arrival could still write to until the link closes."""
 
+    def cancel(self, timeout_s: float) -> None:
+        """The sender refused the transfer and drained it: wait for that, then release.
+
+        Raises:
+            TransferTimeoutError: the drain did not arrive in ``timeout_s``
+                (the transfer is abandoned).
+        """
+        self.abandon()
+
 
 class Endpoint(abc.ABC):
-    """One link's transport."""
+    """One link's transport.
+
+    Where ``posts_early`` is true, ``incoming`` needs no sender descriptor,
+    so a receiver may build it before it asks, and :meth:`drain` completes
+    the messages of a refused transfer.
+    """
+
+    posts_early: bool = False
+
+    @abc.abstractmethod
+    def drain(self, tag: int, starts: Sequence[int]) -> None:
+        """Complete the receiver's early-posted messages ``starts`` of ``tag`` with nothing."""
 
     @abc.abstractmethod
     def outgoing(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
@@ -197,8 +239,10 @@ class Endpoint(abc.ABC):
 
     @abc.abstractmethod
     def incoming(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
-                 layers: Sequence[Sequence[int]], descriptor: dict[str, Any]) -> Incoming:
-        """The receiving half of transfer ``tag``, from the sender's descriptor."""
+                 layers: Sequence[Sequence[int]], descriptor: dict[str, Any] | None
+                 ) -> Incoming:
+        """The receiving half of transfer ``tag``, from the sender's descriptor (``None``
+        when built before asking, where ``posts_early``)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -266,6 +310,7 @@ class _TorchOutgoing(Outgoing):
         first = self.tensors[0]
         self.shape = (len(self.rows), *first.shape[1:])
         self.chunks = chunks_of(layers, math.prod(self.shape) * first.element_size())
+        self.starts = [chunk[0] for chunk in self.chunks]
         # a device gather is asynchronous (the source is read later, on the stream)
         self.copies_source = endpoint.wire_device.type == "cpu"
         self.released: set[int] = set()
@@ -281,8 +326,7 @@ class _TorchOutgoing(Outgoing):
         buf = self._gather(chunk)
         if not self.chunks and self.on_copied is not None:
             self.on_copied()  # the source is read no more (gloo: the gather is synchronous)
-        self.pending.append((ep.group.send([buf], ep.peer, (self.tag + chunk[0]) % TAG_SPACE),
-                             buf))
+        self.pending.append((ep.send(buf, (self.tag + chunk[0]) % TAG_SPACE), buf))
 
     def _gather(self, chunk: list[int]) -> torch.Tensor:
         ep, first = self.endpoint, self.tensors[chunk[0]]
@@ -300,8 +344,8 @@ class _TorchOutgoing(Outgoing):
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         try:
-            for work, _ in self.pending:
-                _wait(work, deadline - time.monotonic(), "sending", self.endpoint.wire_device)
+            for handle, _ in self.pending:
+                self.endpoint.wait_sent(handle, deadline - time.monotonic())
         except TransferTimeoutError:
             self.endpoint.abandoned.append(self.pending)
             raise
@@ -318,9 +362,12 @@ class _TorchIncoming(Incoming):
         tensor_nbytes = self.staging[0].numel() * self.buffer.element_size()
         self.works: dict[int, Any] = {}  # tensor index -> the receive that brings it
         self.arrived: set[int] = set()
-        for chunk in chunks_of(layers, tensor_nbytes):
+        chunks = chunks_of(layers, tensor_nbytes)
+        for chunk in chunks:
             if chunk != list(range(chunk[0], chunk[-1] + 1)):
                 raise InvalidParamError(f"layer tensors {chunk} are not consecutive")
+        self.starts = [chunk[0] for chunk in chunks]
+        for chunk in chunks:
             work = endpoint.group.recv([self.buffer[chunk[0]:chunk[-1] + 1]], endpoint.peer,
                                        (tag + chunk[0]) % TAG_SPACE)
             self.works.update(dict.fromkeys(chunk, work))
@@ -337,12 +384,27 @@ class _TorchIncoming(Incoming):
     def abandon(self) -> None:
         self.endpoint.abandoned.append((self.works, self.buffer))
 
+    def cancel(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            for work in dict.fromkeys(self.works.values()):
+                if id(work) not in self.arrived:
+                    _wait(work, deadline - time.monotonic(), "draining",
+                          self.endpoint.wire_device)
+                    self.arrived.add(id(work))
+        except TransferTimeoutError:
+            self.abandon()
+            raise
+        if self.buffers is not None:
+            self.buffers.give(self.buffer)  # the drain wrote nothing; nothing will
+
 
 class TorchEndpoint(Endpoint):
     """A link over a two-rank ``torch.distributed`` process group.
 
-    Gloo moves host tensors, so device rows are staged through host memory;
-    nccl and hccl move device tensors directly.
+    Gloo moves host tensors, so device rows are staged through host memory,
+    and posts receives early and sends from a thread of its own (see the
+    module docstring); nccl and hccl move device tensors directly.
     """
 
     def __init__(self, group: dist.ProcessGroup, kind: str, rank: int,
@@ -351,16 +413,51 @@ class TorchEndpoint(Endpoint):
         self.wire_device = torch.device("cpu") if kind == "gloo" else device
         self.abandoned: list[Any] = []
         self.buffers = BufferPool()
+        self.posts_early = kind == "gloo"
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix="kvfunc-send") \
+            if kind == "gloo" else None
+        self.drains: list[Any] = []
+        self.lock = threading.Lock()
+
+    def send(self, buf: torch.Tensor, tag: int) -> Any:
+        """Post a send of ``buf`` (from the sending thread on gloo); a handle for
+        :meth:`wait_sent`."""
+        if self.sender is None:  # nccl/hccl: queued on a stream, the caller never writes
+            return self.group.send([buf], self.peer, tag)
+        return self.sender.submit(self.group.send, [buf], self.peer, tag)
+
+    def wait_sent(self, handle: Any, timeout_s: float) -> None:
+        """Return once the send behind ``handle`` has left, or raise
+        :class:`TransferTimeoutError`."""
+        deadline = time.monotonic() + timeout_s
+        if isinstance(handle, Future):
+            try:
+                handle = handle.result(timeout=max(timeout_s, 0.001))
+            except FutureTimeout:
+                raise TransferTimeoutError("sending did not start in time") from None
+            except (RuntimeError, CancelledError) as exc:  # the link is closing
+                raise TransferTimeoutError(f"sending failed: {exc!r:.200}") from None
+        _wait(handle, deadline - time.monotonic(), "sending", self.wire_device)
+
+    def drain(self, tag: int, starts: Sequence[int]) -> None:
+        empty = torch.empty(0, dtype=torch.uint8, device=self.wire_device)
+        with self.lock:  # keep the sends until they are done; forget finished ones
+            self.drains = [w for w in self.drains if not w.is_completed()]
+            self.drains += [self.group.send([empty], self.peer, (tag + s) % TAG_SPACE)
+                            for s in starts]
 
     def outgoing(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
                  layers: Sequence[Sequence[int]]) -> Outgoing:
         return _TorchOutgoing(self, tensors, rows, tag, layers)
 
     def incoming(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
-                 layers: Sequence[Sequence[int]], descriptor: dict[str, Any]) -> Incoming:
+                 layers: Sequence[Sequence[int]], descriptor: dict[str, Any] | None
+                 ) -> Incoming:
         return _TorchIncoming(self, tensors, rows, tag, layers)
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.shutdown(wait=False, cancel_futures=True)
         abort = getattr(self.group, "abort", None)
         if abort is not None and self.abandoned:
             with contextlib.suppress(RuntimeError):  # wake pending receives now

@@ -177,8 +177,14 @@ class MooncakeEndpoint(Endpoint):
         return _Outgoing(tensors, rows)
 
     def incoming(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
-                 layers: Sequence[Sequence[int]], descriptor: dict[str, Any]) -> Incoming:
+                 layers: Sequence[Sequence[int]], descriptor: dict[str, Any] | None
+                 ) -> Incoming:
+        if descriptor is None:
+            raise InvalidParamError("a Mooncake read needs the sender's descriptor")
         return _Incoming(self.engine, self.peer_session, tensors, rows, descriptor)
+
+    def drain(self, tag: int, starts: Sequence[int]) -> None:
+        """Nothing to complete: a Mooncake receiver posts nothing before it asks."""
 
     def close(self) -> None:
         """Nothing to tear down per link: the engine belongs to the cluster."""

@@ -32,7 +32,8 @@ __all__ = [
     "raise_if_error",
 ]
 
-PROTOCOL_VERSION = 2  # 2: a pull's accept says whether it wants an ack
+# 2: a pull's accept says whether it wants an ack; 3: a pull lists the receives posted
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 64 << 20
 
 

@@ -10,13 +10,21 @@ transfer id ``tid`` (with one transport tag per tensor) keys the later
 messages of a request::
 
     pull (decoder D asks prompt P)          push (P sends to D, layer by layer)
-    D -> P  {op: pull, tid, key, rows}       P -> D  {op: push, tid, cache, rows}
+    D posts its receives (gloo)
+    D -> P  {op: pull, tid, key, rows,       P -> D  {op: push, tid, cache, rows}
+             posted}
     P -> D  x/tid/accept {ok, sender, ack}   D -> P  x/tid/accept {ok}
     P sends every tensor; D receives         for each layer i: P waits for its compute,
     if ack:                                    sends it, then x/tid/ready/i {ok}
       D -> P  x/tid/ack {ok}                 D -> P  x/tid/done {ok}
       P releases the key on ok, unpins,
       P -> D  x/tid/fin {ok}
+
+On a transport that receives without the sender's descriptor (gloo), the
+decoder posts its receives before it asks and lists them (``posted``), so
+the data flows as soon as P has it; a P that refuses the pull completes
+each posted receive with an empty message before it replies, and D takes
+its staging buffer back (:meth:`Incoming.cancel`).
 
 A pull of a ``BlocksCacheKey`` has no key to release, so when the transport
 copies the source rows out before it posts its last message
@@ -42,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvfunc.core._errors import LLMError
+from kvfunc.datadist._backends import Incoming
 from kvfunc.datadist._errors import (
     InvalidParamError,
     LinkFailedError,
@@ -66,6 +75,7 @@ if TYPE_CHECKING:
 __all__ = ["PushTarget", "check_compatible", "dispatch", "layers_of", "pull", "push"]
 
 LayerWait = Callable[[int], None]
+_MAX_MESSAGES = 1 << 16  # of one transfer (at most one per tensor)
 
 
 def layers_of(num_tensors: int, tensor_num_per_layer: int) -> list[list[int]]:
@@ -130,21 +140,33 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
     link.check_usable()
     deadline = _Deadline(timeout_s)
     desc = dst.cache_desc
+    tensors = [list(range(desc.num_tensors))]
+    incoming: Incoming | None = None
     manager._pin(dst.cache_id)
     try:
         try:
             tid = link.new_tid(desc.num_tensors)
+            if link.transport.posts_early:  # the data flows as soon as the sender has it
+                incoming = link.transport.incoming(dst.tensors, dst_rows, tid, tensors, None)
             link.post({"op": "pull", "tid": tid, "key": key_to_json(key), "src_rows": src_rows,
-                       "n_rows": len(dst_rows), "desc": desc.to_json()})
+                       "n_rows": len(dst_rows), "desc": desc.to_json(),
+                       "posted": None if incoming is None else list(incoming.starts)})
             accept = link.channel.take(f"x/{tid}/accept", deadline.left())
         except (TransferTimeoutError, LinkFailedError) as exc:
+            if incoming is not None:
+                incoming.abandon()
             raise _broken(link, exc, "pull") from None
-        descriptor = raise_if_error(accept).get("sender")
-        if not isinstance(descriptor, dict):
-            raise InvalidParamError("the peer's accept has no sender descriptor")
-        ack = get_bool(accept, "ack")
-        incoming = link.transport.incoming(dst.tensors, dst_rows, tid,
-                                           [list(range(desc.num_tensors))], descriptor)
+        try:
+            descriptor = raise_if_error(accept).get("sender")
+            if not isinstance(descriptor, dict):
+                raise InvalidParamError("the peer's accept has no sender descriptor")
+            ack = get_bool(accept, "ack")
+        except LLMError:
+            if incoming is not None:  # refused: the peer drained what was posted
+                _cancel(link, incoming, deadline)
+            raise
+        if incoming is None:
+            incoming = link.transport.incoming(dst.tensors, dst_rows, tid, tensors, descriptor)
         try:
             for i in range(desc.num_tensors):  # place tensor i while later ones arrive
                 incoming.receive([i], deadline.left())
@@ -162,6 +184,26 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
             raise _broken(link, exc, "pull") from None
     finally:
         manager._unpin(dst.cache_id)
+
+
+def _cancel(link: Link, incoming: Incoming, deadline: _Deadline) -> None:
+    """Take back the receives posted for a transfer the peer refused (and drained)."""
+    try:
+        incoming.cancel(deadline.left())
+    except TransferTimeoutError as exc:
+        _broken(link, exc, "pull")  # the refusal's own error is what the caller sees
+
+
+def _drain(link: Link, tid: int, message: dict[str, Any]) -> None:
+    """Complete the receives the peer posted for a pull this side refuses."""
+    if message.get("posted") is None:
+        return
+    try:
+        starts = get_ints(message, "posted", _MAX_MESSAGES, _MAX_MESSAGES)
+        link.transport.drain(tid, list(dict.fromkeys(starts)))
+    except (LLMError, RuntimeError) as exc:  # the peer's receives time out on their side
+        log.warning("could not drain pull %d from cluster %d: %s", tid,
+                    link.peer_cluster_id, exc)
 
 
 def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:
@@ -185,9 +227,14 @@ def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
             raise InvalidParamError(f"{len(src_rows)} source rows for {n_rows} destination rows")
         outgoing = link.transport.outgoing(pinned.tensors, src_rows, tid,
                                            [list(range(local.num_tensors))])
+        posted = message.get("posted")
+        if posted is not None and posted != list(outgoing.starts):
+            raise InvalidParamError(f"the receiver waits for messages {posted!r:.80}, this "
+                                    f"side sends {list(outgoing.starts)!r:.80}")
     except LLMError as exc:
         if pinned is not None:
             manager._unpin(pinned.cache_id)
+        _drain(link, tid, message)  # before the reply: its receiver then finds them done
         _put_quietly(link, f"x/{tid}/accept", error_reply(exc))
         return
     acked = False
