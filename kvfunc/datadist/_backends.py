@@ -35,8 +35,9 @@ On gloo two things keep the wire busy from the first byte:
   messages posted (``Incoming.starts``); a sender that refuses the transfer
   completes each with an empty message (``Endpoint.drain``), so the
   receiver gets its staging buffer back.
-* **A sending thread.**  A gloo send whose receive is already posted writes
-  to the socket in the calling thread; a thread of the link's own posts the
+* **A sending thread.**  A gloo send whose receive is already posted starts
+  writing to the socket in the calling thread (as much as the socket takes;
+  gloo's own thread writes the rest); a thread of the link's own posts the
   sends, so gathering the next message overlaps writing this one.
 """
 
@@ -61,6 +62,7 @@ import torch.distributed as dist
 from kvfunc.datadist._errors import (
     FeatureNotEnabledError,
     InvalidParamError,
+    LinkFailedError,
     TransferTimeoutError,
 )
 
@@ -209,7 +211,11 @@ class Incoming(abc.ABC):
         """Give up: keep what a late arrival could still write to until the link closes."""
 
     def cancel(self, timeout_s: float) -> None:
-        """The sender refused the transfer and drained it: wait for that, then release.
+        """The sender refused the transfer: take back what was posted for it.
+
+        A transport that posted receives waits for the sender's drain, then
+        releases the staging buffer; the default (nothing posted early) just
+        abandons the transfer.
 
         Raises:
             TransferTimeoutError: the drain did not arrive in ``timeout_s``
@@ -229,8 +235,15 @@ class Endpoint(abc.ABC):
     posts_early: bool = False
 
     @abc.abstractmethod
-    def drain(self, tag: int, starts: Sequence[int]) -> None:
-        """Complete the receiver's early-posted messages ``starts`` of ``tag`` with nothing."""
+    def drain(self, tag: int, starts: Sequence[int], timeout_s: float) -> None:
+        """Complete the receiver's early-posted messages ``starts`` of ``tag`` with nothing.
+
+        Raises:
+            TransferTimeoutError: they did not complete in ``timeout_s`` (the
+                receiver posted nothing there: the sends are kept until the
+                link closes).
+            LinkFailedError: the transport is closed.
+        """
 
     @abc.abstractmethod
     def outgoing(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
@@ -416,15 +429,20 @@ class TorchEndpoint(Endpoint):
         self.posts_early = kind == "gloo"
         self.sender = ThreadPoolExecutor(1, thread_name_prefix="kvfunc-send") \
             if kind == "gloo" else None
-        self.drains: list[Any] = []
-        self.lock = threading.Lock()
 
     def send(self, buf: torch.Tensor, tag: int) -> Any:
         """Post a send of ``buf`` (from the sending thread on gloo); a handle for
-        :meth:`wait_sent`."""
-        if self.sender is None:  # nccl/hccl: queued on a stream, the caller never writes
-            return self.group.send([buf], self.peer, tag)
-        return self.sender.submit(self.group.send, [buf], self.peer, tag)
+        :meth:`wait_sent`.
+
+        Raises:
+            LinkFailedError: the transport is closed.
+        """
+        try:
+            if self.sender is None:  # nccl/hccl: queued on a stream, the caller never writes
+                return self.group.send([buf], self.peer, tag)
+            return self.sender.submit(self.group.send, [buf], self.peer, tag)
+        except RuntimeError as exc:  # shut down (the link closed) or aborted
+            raise LinkFailedError(f"the transport is closed: {exc!r:.200}") from None
 
     def wait_sent(self, handle: Any, timeout_s: float) -> None:
         """Return once the send behind ``handle`` has left, or raise
@@ -434,17 +452,27 @@ class TorchEndpoint(Endpoint):
             try:
                 handle = handle.result(timeout=max(timeout_s, 0.001))
             except FutureTimeout:
-                raise TransferTimeoutError("sending did not start in time") from None
+                raise TransferTimeoutError("sending was not posted in time") from None
             except (RuntimeError, CancelledError) as exc:  # the link is closing
                 raise TransferTimeoutError(f"sending failed: {exc!r:.200}") from None
         _wait(handle, deadline - time.monotonic(), "sending", self.wire_device)
 
-    def drain(self, tag: int, starts: Sequence[int]) -> None:
+    def drain(self, tag: int, starts: Sequence[int], timeout_s: float) -> None:
         empty = torch.empty(0, dtype=torch.uint8, device=self.wire_device)
-        with self.lock:  # keep the sends until they are done; forget finished ones
-            self.drains = [w for w in self.drains if not w.is_completed()]
-            self.drains += [self.group.send([empty], self.peer, (tag + s) % TAG_SPACE)
-                            for s in starts]
+        works: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            for s in starts:
+                works.append(self.group.send([empty], self.peer, (tag + s) % TAG_SPACE))
+            while works:  # a gloo send is released only once waited for
+                _wait(works[0], deadline - time.monotonic(), "draining", self.wire_device)
+                works.pop(0)
+        except TransferTimeoutError:
+            self.abandoned.append(works)
+            raise
+        except RuntimeError as exc:
+            self.abandoned.append(works)
+            raise LinkFailedError(f"the transport is closed: {exc!r:.200}") from None
 
     def outgoing(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
                  layers: Sequence[Sequence[int]]) -> Outgoing:

@@ -94,6 +94,23 @@ class TransferIds:
         self.base, self.next = rank * (TAG_SPACE // 2), 1
         self.lock = threading.Lock()
 
+    @staticmethod
+    def check(rank: int, tid: int, num_tags: int) -> None:
+        """Raise :class:`InvalidParamError` unless side ``rank`` could have drawn ``tid``
+        for ``num_tags`` tags.
+
+        >>> TransferIds.check(1, TransferIds(1).take(16), 16)
+        >>> TransferIds.check(0, TransferIds(1).take(16), 16)
+        Traceback (most recent call last):
+        ...
+        kvfunc.datadist._errors.InvalidParamError: LLM_PARAM_INVALID: transfer id 536870913 ...
+        """
+        half = TAG_SPACE // 2
+        base = rank * half
+        if not base < tid <= base + half - max(1, num_tags):
+            raise InvalidParamError(f"transfer id {tid} with {num_tags} tags is outside "
+                                    f"side {rank}'s ids ({base}, {base + half}]")
+
     def take(self, num_tags: int) -> int:
         """The first of ``num_tags`` (at least one) consecutive fresh ids."""
         n = max(1, num_tags)
@@ -135,6 +152,11 @@ class Link:
     def new_tid(self, num_tags: int) -> int:
         """A transfer id unique on this link, followed by ``num_tags - 1`` free tags."""
         return self._tids.take(num_tags)
+
+    def check_peer_tid(self, tid: int, num_tags: int) -> None:
+        """Raise :class:`InvalidParamError` unless the peer could have drawn ``tid`` for
+        ``num_tags`` tags (see :meth:`TransferIds.check`)."""
+        TransferIds.check(1 - self.rank, tid, num_tags)
 
     def check_usable(self) -> None:
         """Raise :class:`LinkFailedError` if an earlier failure broke the link."""

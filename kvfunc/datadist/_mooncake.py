@@ -183,7 +183,7 @@ class MooncakeEndpoint(Endpoint):
             raise InvalidParamError("a Mooncake read needs the sender's descriptor")
         return _Incoming(self.engine, self.peer_session, tensors, rows, descriptor)
 
-    def drain(self, tag: int, starts: Sequence[int]) -> None:
+    def drain(self, tag: int, starts: Sequence[int], timeout_s: float) -> None:
         """Nothing to complete: a Mooncake receiver posts nothing before it asks."""
 
     def close(self) -> None:

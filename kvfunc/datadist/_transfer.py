@@ -43,6 +43,7 @@ the peer's status code and leaves the link usable.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -194,14 +195,26 @@ def _cancel(link: Link, incoming: Incoming, deadline: _Deadline) -> None:
         _broken(link, exc, "pull")  # the refusal's own error is what the caller sees
 
 
-def _drain(link: Link, tid: int, message: dict[str, Any]) -> None:
-    """Complete the receives the peer posted for a pull this side refuses."""
+def _posted(link: Link, tid: int, message: dict[str, Any]) -> list[int] | None:
+    """The messages whose receives the peer posted before it asked (checked), or ``None``."""
     if message.get("posted") is None:
-        return
+        return None
+    starts = get_ints(message, "posted", _MAX_MESSAGES, _MAX_MESSAGES)
+    if not link.transport.posts_early or starts[:1] != [0] or \
+            any(b <= a for a, b in itertools.pairwise(starts)):
+        raise InvalidParamError(f"posted messages {starts!r:.80} must start at 0 and "
+                                "increase, on a transport that posts receives early")
+    link.check_peer_tid(tid, starts[-1] + 1)
+    return starts
+
+
+def _drain(link: Link, tid: int, message: dict[str, Any], timeout_s: float) -> None:
+    """Complete the receives the peer posted for a pull this side refuses."""
     try:
-        starts = get_ints(message, "posted", _MAX_MESSAGES, _MAX_MESSAGES)
-        link.transport.drain(tid, list(dict.fromkeys(starts)))
-    except (LLMError, RuntimeError) as exc:  # the peer's receives time out on their side
+        starts = _posted(link, tid, message)
+        if starts:
+            link.transport.drain(tid, starts, timeout_s)
+    except LLMError as exc:  # the peer's receives time out on their side
         log.warning("could not drain pull %d from cluster %d: %s", tid,
                     link.peer_cluster_id, exc)
 
@@ -217,6 +230,7 @@ def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
         pinned, batch_index = manager._pin_key(key)
         local = pinned.cache_desc
         check_compatible(local, peer_desc, f"pull of {key!r}")
+        link.check_peer_tid(tid, local.num_tensors)
         if isinstance(key, BlocksCacheKey):
             src_rows = get_ints(message, "src_rows", local.num_rows)
         elif message.get("src_rows") is not None:
@@ -227,14 +241,14 @@ def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
             raise InvalidParamError(f"{len(src_rows)} source rows for {n_rows} destination rows")
         outgoing = link.transport.outgoing(pinned.tensors, src_rows, tid,
                                            [list(range(local.num_tensors))])
-        posted = message.get("posted")
+        posted = _posted(link, tid, message)
         if posted is not None and posted != list(outgoing.starts):
             raise InvalidParamError(f"the receiver waits for messages {posted!r:.80}, this "
                                     f"side sends {list(outgoing.starts)!r:.80}")
     except LLMError as exc:
         if pinned is not None:
             manager._unpin(pinned.cache_id)
-        _drain(link, tid, message)  # before the reply: its receiver then finds them done
+        _drain(link, tid, message, timeout_s)  # before the reply: the receiver finds them done
         _put_quietly(link, f"x/{tid}/accept", error_reply(exc))
         return
     acked = False
@@ -313,7 +327,11 @@ def push(manager: CacheManager, targets: Sequence[PushTarget], src: Cache,
                         _put_quietly(target.link, f"x/{tid}/ready/{i}", error_reply(exc))
                     raise
             for target, tid, outgoing in sessions:
-                outgoing.send(layer)
+                try:
+                    outgoing.send(layer)
+                except LinkFailedError as exc:  # the link closed under the push
+                    target.link.mark_broken(f"push: {exc}")
+                    raise
                 _ready(target, tid, i)
         deadline = _Deadline(timeout_s)
         for target, tid, outgoing in sessions:
@@ -352,6 +370,7 @@ def _serve_push(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
         peer_desc = CacheDesc.from_json(message.get("desc") or {})
         pinned = manager._pin_id(get_int(message, "cache_id"))
         local = pinned.cache_desc
+        link.check_peer_tid(tid, local.num_tensors)
         if get_bool(message, "blocks") != pinned.is_blocks_cache:
             raise InvalidParamError(f"cache {pinned.cache_id} is "
                                     f"{'' if pinned.is_blocks_cache else 'not '}a blocks cache")
@@ -389,6 +408,11 @@ def _serve_push(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
 def dispatch(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:
     """Serve one request that arrived on ``link``."""
     op = message.get("op")
+    try:  # an id the peer cannot have drawn gets no reply: it could name this side's keys
+        link.check_peer_tid(get_int(message, "tid"), 1)
+    except InvalidParamError as exc:
+        log.warning("ignored request %r from cluster %d: %s", op, link.peer_cluster_id, exc)
+        return
     if op == "pull":
         _serve_pull(manager, link, message)
     elif op == "push":
