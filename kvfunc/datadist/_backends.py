@@ -50,7 +50,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -385,12 +385,16 @@ class _TorchIncoming(Incoming):
                                        (tag + chunk[0]) % TAG_SPACE)
             self.works.update(dict.fromkeys(chunk, work))
 
-    def receive(self, indices: Sequence[int], timeout_s: float) -> None:
+    def _arrive(self, works: Iterable[Any], timeout_s: float, what: str) -> None:
+        """Wait for each of ``works`` not waited for yet (a gloo wait() is not idempotent)."""
         deadline = time.monotonic() + timeout_s
-        for work in dict.fromkeys(self.works[i] for i in indices):
-            if id(work) not in self.arrived:  # a gloo wait() is not idempotent
-                _wait(work, deadline - time.monotonic(), "receiving", self.endpoint.wire_device)
+        for work in dict.fromkeys(works):
+            if id(work) not in self.arrived:
+                _wait(work, deadline - time.monotonic(), what, self.endpoint.wire_device)
                 self.arrived.add(id(work))
+
+    def receive(self, indices: Sequence[int], timeout_s: float) -> None:
+        self._arrive((self.works[i] for i in indices), timeout_s, "receiving")
         for i in indices:
             self.place(i)
 
@@ -398,13 +402,8 @@ class _TorchIncoming(Incoming):
         self.endpoint.abandoned.append((self.works, self.buffer))
 
     def cancel(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
         try:
-            for work in dict.fromkeys(self.works.values()):
-                if id(work) not in self.arrived:
-                    _wait(work, deadline - time.monotonic(), "draining",
-                          self.endpoint.wire_device)
-                    self.arrived.add(id(work))
+            self._arrive(self.works.values(), timeout_s, "draining")
         except TransferTimeoutError:
             self.abandon()
             raise
@@ -426,9 +425,9 @@ class TorchEndpoint(Endpoint):
         self.wire_device = torch.device("cpu") if kind == "gloo" else device
         self.abandoned: list[Any] = []
         self.buffers = BufferPool()
-        self.posts_early = kind == "gloo"
+        self.posts_early = kind == "gloo"  # nccl/hccl: a zero-byte drain is not verified
         self.sender = ThreadPoolExecutor(1, thread_name_prefix="kvfunc-send") \
-            if kind == "gloo" else None
+            if self.wire_device.type == "cpu" else None  # device sends never write inline
 
     def send(self, buf: torch.Tensor, tag: int) -> Any:
         """Post a send of ``buf`` (from the sending thread on gloo); a handle for

@@ -141,14 +141,14 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
     link.check_usable()
     deadline = _Deadline(timeout_s)
     desc = dst.cache_desc
-    tensors = [list(range(desc.num_tensors))]
+    one_layer = [list(range(desc.num_tensors))]
     incoming: Incoming | None = None
     manager._pin(dst.cache_id)
     try:
         try:
             tid = link.new_tid(desc.num_tensors)
             if link.transport.posts_early:  # the data flows as soon as the sender has it
-                incoming = link.transport.incoming(dst.tensors, dst_rows, tid, tensors, None)
+                incoming = link.transport.incoming(dst.tensors, dst_rows, tid, one_layer, None)
             link.post({"op": "pull", "tid": tid, "key": key_to_json(key), "src_rows": src_rows,
                        "n_rows": len(dst_rows), "desc": desc.to_json(),
                        "posted": None if incoming is None else list(incoming.starts)})
@@ -167,7 +167,8 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
                 _cancel(link, incoming, deadline)
             raise
         if incoming is None:
-            incoming = link.transport.incoming(dst.tensors, dst_rows, tid, tensors, descriptor)
+            incoming = link.transport.incoming(dst.tensors, dst_rows, tid, one_layer,
+                                               descriptor)
         try:
             for i in range(desc.num_tensors):  # place tensor i while later ones arrive
                 incoming.receive([i], deadline.left())
