@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import pickle
 import struct
 
 import pytest
@@ -122,13 +123,14 @@ def test_old_states_do_not_see_what_later_states_cache() -> None:
     s0 = _state(full=kf.FullAttention(num_blocks=7, block_size=4))
     h = kf.BlockHashes.of(range(9), 4)
     one = kf.allocate_slots(s0, "a", 0, 9, block_hashes=h).state           # caches 1, 2
+    before = kf.lookup_prefix(one, h, max_tokens=8).block_ids["full"]
     other = kf.allocate_slots(kf.allocate_slots(s0, "x", 0, 4).state, "a", 0, 9,
                               block_hashes=h).state                        # caches 2, 3
     evicted = kf.allocate_slots(kf.free_request(one, "a")[0], "y", 0, 24).state
     found = {name: kf.lookup_prefix(st, h, max_tokens=8).block_ids["full"]
              for name, st in (("s0", s0), ("one", one), ("other", other), ("evicted", evicted))}
     assert found == {"s0": (), "one": (1, 2), "other": (2, 3), "evicted": ()}
-    assert kf.lookup_prefix(one, h, max_tokens=8).block_ids["full"] == (1, 2)  # still
+    assert before == found["one"]  # what later branches cached did not reach it
     for state in (s0, one, other, evicted):
         kf.check_invariants(state)
 
@@ -485,6 +487,7 @@ def test_a_batch_delta_with_copies_around_a_hit_replays() -> None:
     hit = kf.lookup_prefix(s, hc, max_tokens=4)
     r = kf.allocate_batch(s, [("a", 2, 1, 0, 0, None, None, None), ("c", 4, 1, 0, 0, None, hc, hit),
                               ("b", 2, 1, 0, 0, None, None, None)])
+    assert ((), ("a", "b"), 4) == (r.refused, r.delta.copied_request_ids, hit.num_tokens)
     assert kf.replay(s, [r.delta]) == r.state
     kf.check_invariants(r.state)
 
@@ -532,7 +535,67 @@ def test_thrown_away_transitions_do_not_grow_the_shared_index() -> None:
 def test_block_hashes_built_from_tuples_equal_hashed_ones() -> None:
     """The constructor takes hashes and token blocks; bad sizes are typed errors."""
     h = kf.BlockHashes.of(range(8), 4)
-    assert kf.BlockHashes(4, "sha256", h.root, h.hashes, h.blocks) == h
-    assert h.parent_hash(2) == h.hashes[1] and h.block_token_ids(-1) == (4, 5, 6, 7)
+    built = kf.BlockHashes(4, "sha256", h.root, h.hashes, h.blocks)
+    assert (built, built.blocks) == (h, ((0, 1, 2, 3), (4, 5, 6, 7)))  # == ignores tokens
+    assert pickle.loads(pickle.dumps(h)).blocks == h.blocks
+    assert h.block_token_ids(-1) == (4, 5, 6, 7)
     with pytest.raises(kf.InvalidArgumentError):
         kf.BlockHashes(0, "sha256", b"r")
+
+
+def test_saves_in_two_state_groups_undone_in_one_batch() -> None:
+    """Two Mamba groups save a state and evict it again within one batch: both saves are
+    dropped from the delta (each at its own row), and the delta replays."""
+    s = kf.KVState.create({"full": kf.FullAttention(num_blocks=40, block_size=2),
+                           "m1": kf.Mamba(num_blocks=3, block_size=2),
+                           "m2": kf.Mamba(num_blocks=3, block_size=2)}, 1024,
+                          enable_prefix_caching=True)
+    toks = list(range(12))
+    s = kf.allocate_slots(s, 0, 0, 3, block_hashes=kf.BlockHashes.of(toks[:3], 2)).state
+    r = kf.allocate_batch(s, [(0, 4, 2, 0, 0, None, kf.BlockHashes.of(toks[:6], 2), None)]
+                          + [(i, 0, 3, 0, 0, None, None, None) for i in range(1, 4)])
+    assert ((2, 3), ("full", "full"), ("m1", "m2")) == (
+        r.refused, r.delta.stored_keys, r.delta.copied_keys)  # the saves: copies, not stores
+    assert kf.replay(s, [r.delta]) == r.state
+    kf.check_invariants(r.state)
+
+
+def test_hits_take_the_lowest_block_live_and_replayed_alike() -> None:
+    """Two blocks of one lineage's candidates hold a hash; a live state and its replay
+    (whose candidates were stored in another order) both hit the lowest id."""
+    def new() -> kf.KVState:
+        return _state(full=kf.FullAttention(num_blocks=6, block_size=4))
+    h = kf.BlockHashes.of(range(5), 4)
+    s0 = new()
+    assert kf.allocate_slots(s0, "t", 0, 5, block_hashes=h).ok  # thrown away: caches block 1
+    r1 = kf.allocate_slots(s0, "x", 0, 4)
+    r2 = kf.allocate_slots(r1.state, "a", 0, 5, block_hashes=h)
+    s3, d3 = kf.free_request(r2.state, "x")
+    r4 = kf.allocate_slots(s3, "y", 0, 12)
+    s5, d5 = kf.free_request(r4.state, "y")
+    r6 = kf.allocate_slots(s5, "b", 0, 5, block_hashes=h)
+    replayed = kf.replay(new(), [r1.delta, r2.delta, d3, r4.delta, d5, r6.delta])
+    assert replayed == r6.state
+    assert ((1,), (1,)) == tuple(kf.lookup_prefix(st, h, max_tokens=4).block_ids["full"]
+                                 for st in (r6.state, replayed))
+
+
+def test_a_hot_hash_stored_in_many_blocks_keeps_a_short_candidate_list() -> None:
+    """One hash stored into 40 blocks, all evicted, then stored again: its candidate list
+    (past 32 entries) is rebuilt to the one valid block, long before the whole index
+    would be (2 x 128 + 64 candidates)."""
+    s = _state(full=kf.FullAttention(num_blocks=128, block_size=4))
+    h = kf.BlockHashes.of(range(5), 4)
+    for i in range(40):  # no prefix_hit: each request caches the block in a block of its own
+        s = kf.allocate_slots(s, i, 0, 5, block_hashes=h).state
+    assert 40 == kf.num_cached_blocks(s, "full")
+    for i in range(40):
+        s = kf.free_request(s, i)[0]
+    s = kf.free_request(kf.allocate_slots(s, "big", 0, 127 * 4).state, "big")[0]  # evicts all
+    assert 0 == kf.num_cached_blocks(s, "full")
+    s = kf.allocate_slots(s, "spacer", 0, 4).state  # so "again" caches h in a new block
+    s = kf.allocate_slots(s, "again", 0, 5, block_hashes=h).state
+    assert kf.get_block_ids(s, "again")["full"][0] % 2 == 0  # none of the 40 (odd) ones
+    cache = s.group("full").cache
+    assert cache is not None
+    assert [kf.get_block_ids(s, "again")["full"][0]] == cache.by_hash[h.hashes[0]]

@@ -40,7 +40,7 @@ starts an empty one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -73,6 +73,8 @@ def valid_blocks(index: HashIndex, hash_of: Any, block_hash: bytes) -> tuple[int
         b = found[0]
         return (b,) if hash_of[b] == block_hash else ()
     valid = [b for b in found if hash_of[b] == block_hash]
+    # ascending: a hit takes the lowest id, live or replayed; set: two transitions of one
+    # lineage racing on the shared dict may both append a block
     return tuple(sorted(set(valid))) if len(valid) > 1 else tuple(valid)
 
 
@@ -137,11 +139,7 @@ class GroupCache:
 
     def cached(self) -> dict[bytes, tuple[int, ...]]:
         """The cached blocks as one dict ``{hash: block ids ascending}`` (for checks and tests)."""
-        out: dict[bytes, tuple[int, ...]] = {}
-        for b, h in enumerate(self.hash_of):
-            if h is not None:
-                out[h] = out.get(h, ()) + (b,)
-        return out
+        return {h: tuple(blocks) for h, blocks in index_of(self.hash_of).items()}
 
     def live_entries(self, ring: PVector[tuple[int, ...]], head: int, cap: int) -> Iterator[int]:
         """The live ring entries from ``head``: the free queue in hand-out order."""
@@ -151,5 +149,4 @@ class GroupCache:
 
     def identity(self) -> tuple[Any, ...]:
         """What equality compares (the ring layout and stale entries do not count)."""
-        cached: Mapping[bytes, tuple[int, ...]] = self.cached()
-        return (tuple(self.refs), tuple(self.hash_of), cached)
+        return (tuple(self.refs), tuple(self.hash_of))  # the index is a function of hash_of

@@ -132,6 +132,14 @@ def _pack(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def _checked(block_size: int, hash_fn: str) -> Callable[[bytes], bytes]:
+    """The hash function of a valid block size and name; a typed error otherwise."""
+    if type(block_size) is not int or block_size <= 0:
+        msg = f"block_size must be a positive int, got {block_size!r}"
+        raise InvalidArgumentError(msg)
+    return hash_function(hash_fn)  # a known name, or a typed error
+
+
 class BlockHashes:
     """The chained hashes of a request's full blocks (see the module docstring).
 
@@ -173,10 +181,7 @@ class BlockHashes:
     def __init__(self, block_size: int, hash_fn: str, root: bytes,
                  hashes: Sequence[BlockHash] = (),
                  blocks: Sequence[Sequence[int]] = ()) -> None:
-        if type(block_size) is not int or block_size <= 0:
-            msg = f"block_size must be a positive int, got {block_size!r}"
-            raise InvalidArgumentError(msg)
-        hash_function(hash_fn)  # a known name, or a typed error
+        _checked(block_size, hash_fn)
         self._fill(block_size, hash_fn, root, list(hashes), [t for b in blocks for t in b],
                    len(hashes))
 
@@ -241,16 +246,14 @@ class BlockHashes:
         >>> BlockHashes.of([1, 2, 3], 2).hashes[0].hex()[:8]
         '23d3d67d'
         """
-        value = cls(block_size, hash_fn, b"")  # checks the block size and the name
-        fn = hash_function(hash_fn)
+        fn = _checked(block_size, hash_fn)
         if isinstance(extra_keys, str | bytes) or not isinstance(extra_keys, Sequence):
             msg = f"extra_keys must be a sequence of keys, got {extra_keys!r}"
             raise InvalidTypeError(msg)
         seed = [_TAG]
         seed.append(b"-" if cache_salt is None else _encode_key(cache_salt))
         seed.extend(_encode_key(k) for k in extra_keys)
-        _set(value, "root", fn(b"".join(seed)))
-        return value.update(token_ids)
+        return cls._make(block_size, hash_fn, fn(b"".join(seed)), [], [], 0).update(token_ids)
 
     @property
     def num_tokens(self) -> int:

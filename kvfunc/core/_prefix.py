@@ -326,18 +326,26 @@ def quiet(bs: int, w: int | None, may_skip: bool, refs: Any, table: tuple[BlockI
             return False
     elif may_skip:
         return False
-    if refs is not None:
-        for p in range(computed // bs, (total - 1) // bs + 1 if total else 0):
+    if refs is not None and total:
+        p, last = computed // bs, (total - 1) // bs
+        while p <= last:
             b = table[p]
             if b and refs[b] > 1:
                 return False
+            p += 1
     return True
 
 
 def uncached_full_block(bs: int, hash_of: Any, table: tuple[BlockId, ...], written: int,
                          hashes: BlockHashes) -> bool:
     """Whether the last full block a step leaves behind still has to be cached."""
-    full = min(hashes.num_blocks * hashes.block_size // bs, written // bs, len(table))
+    full = written // bs
+    held = len(table)
+    if full > held:
+        full = held
+    covered = hashes.num_blocks * hashes.block_size // bs
+    if covered < full:
+        full = covered
     if not full:
         return False
     b = table[full - 1]
@@ -365,6 +373,7 @@ def finish_cached(tr: Transient, sink: DeltaBuilder) -> None:
     a delta is still cached at its end and events stay in the order
     removals, then stores.
     """
+    undone: list[int] = []
     for g in tr.groups:
         assert isinstance(g, CacheGroupTransient)
         evicted, saved = g.evicted, g.saved
@@ -372,7 +381,6 @@ def finish_cached(tr: Transient, sink: DeltaBuilder) -> None:
             g.saved = []
             gone: set[int] = set()  # evictions that undo a save of this transition
             rows = sink.cache_rows()
-            undone = []
             for b, h, first, stored_at, copied_at in saved:
                 for i in range(first, len(evicted)):  # the first eviction after the save
                     if i not in gone and evicted[i][1] == b and evicted[i][2] == h:
@@ -381,13 +389,15 @@ def finish_cached(tr: Transient, sink: DeltaBuilder) -> None:
                         c = rows.copied[copied_at]  # copies onto itself: replay takes, gives
                         rows.copied[copied_at] = (c[0], c[1], COPY_SAVED, b, b, c[5])
                         break
-            for i in sorted(undone, reverse=True):
-                del rows.stored[i]
             if gone:
                 evicted = [row for i, row in enumerate(evicted) if i not in gone]
         if evicted:
             sink.cache_rows().evicted.extend(evicted)
             g.evicted = []
+    if undone:
+        stored = sink.cache_rows().stored
+        for i in sorted(undone, reverse=True):
+            del stored[i]
 
 
 def copy_on_write(g: CacheGroupTransient, rid: RequestId, pos: int, sink: DeltaBuilder) -> None:
@@ -416,15 +426,13 @@ def store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
     if first >= full:
         return
     key = g.key
-    tok = hashes._tokens
     if first == full - 1:  # the common case: the block a decode step just filled
         b, h = table[first], hs[full * m - 1]
         g.store(b, h)
-        out.append((key, b, h, hs[first * m - 1] if first else None,
-                    tuple(tok[first * bs:full * bs])))
+        out.append((key, b, h, hashes.parent_hash(first * m), hashes.block_token_ids(first * m, m)))
         return
     blocks = list(table[first:full])
-    tokens = [tuple(tok[q * bs:(q + 1) * bs]) for q in range(first, full)]
+    tokens = [hashes.block_token_ids(q * m, m) for q in range(first, full)]
     if m == 1:
         new = hs[first:full]
         parents = [hs[first - 1] if first else None, *new[:-1]]
@@ -450,4 +458,4 @@ def save_state(g: CacheGroupTransient, rid: RequestId, computed: int, hashes: Bl
     rows = sink.cache_rows()
     g.saved.append((dst, h, len(g.evicted), len(rows.stored), len(rows.copied)))
     rows.copied.append((g.key, rid, COPY_SAVED, table[0], dst, len(sink.appended)))
-    rows.stored.append((g.key, dst, h, hashes._digests[index - 1] if index else None, ()))
+    rows.stored.append((g.key, dst, h, hashes.parent_hash(index), ()))

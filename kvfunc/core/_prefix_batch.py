@@ -83,8 +83,7 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                         return None
                     if hashes.block_size != hbs_ok:
                         hbs_ok = hashes.block_size
-                        if type(hbs_ok) is not int or hbs_ok <= 0 or any(bs % hbs_ok
-                                                                          for bs in sizes):
+                        if any(bs % hbs_ok for bs in sizes):
                             return None
             elif width == 3:
                 rid, computed, new = req
@@ -123,28 +122,20 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                 if table and grows:
                     held = len(table)
                     p = computed // bs
-                    if p < held and p * bs < total:  # blocks written in place
+                    writes_shared = False
+                    while p < held and p * bs < total:  # blocks written in place
                         b = table[p]
                         if b:
                             if refs[b] > 1:
-                                p = -1  # shared
-                            else:
-                                wrote(b)
-                        if p >= 0 and total > (p + 1) * bs:  # several: the rest of them
-                            p += 1
-                            while p < held and p * bs < total:
-                                b = table[p]
-                                if b:
-                                    if refs[b] > 1:
-                                        p = -1
-                                        break
-                                    wrote(b)
-                                p += 1
-                        if p < 0:  # copies (at most one per held block) and new blocks: a bound
-                            complex_.add(i)
-                            need[gi] += held + plan_group(groups[gi], table, computed, total)[3]
-                            acted = True
-                            continue
+                                writes_shared = True
+                                break
+                            wrote(b)
+                        p += 1
+                    if writes_shared:  # copies (at most one per held block) and new blocks: a bound
+                        complex_.add(i)
+                        need[gi] += held + plan_group(groups[gi], table, computed, total)[3]
+                        acted = True
+                        continue
                     if total <= held * bs:
                         if w is not None:
                             k = (computed - w + 1) // bs

@@ -33,14 +33,10 @@ def recycle_range(g: GroupTransient, request_id: RequestId, table: tuple[BlockId
     """Null positions ``lo .. k-1`` and free their blocks, highest index first."""
     if k - lo == 1:  # the common case: one block left the window
         b = table[lo]
-        if g.counts_refs:
-            released = bool(g.release_blocks((b,)))
-        else:
-            g.give((b,))
-            released = True
+        freed = g.release_blocks((b,))
         if sink is not None:
             sink.nulled.append((g.key, request_id, lo))
-            if released:
+            if freed:
                 sink.freed.append((g.key, b))
         return table[:lo] + (NULL_BLOCK,) + table[k:]
     freed = g.release_blocks([table[i] for i in range(k - 1, lo - 1, -1)])

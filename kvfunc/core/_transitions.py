@@ -146,17 +146,9 @@ def allocate_into(tr: Transient, request_id: RequestId, computed: int, new: int,
     plans = None
     for g in groups:  # phase 1: decide, change nothing
         table = g.tables.get(request_id)
-        if table and not reserved and g.grows and total <= len(table) * g.block_size:
-            # The common decode step: no growth; only a new skip could change the table.
-            w = g.window
-            if w is None:
-                if not g.may_skip:
-                    continue
-            else:
-                k = (computed - w + 1) // g.block_size
-                held = len(table)
-                if k <= 0 or table[(k if k < held else held) - 1] == NULL_BLOCK:
-                    continue
+        if (table and not reserved and g.grows
+                and quiet(g.block_size, g.window, g.may_skip, None, table, computed, total)):
+            continue  # the common decode step: no growth, no new skip
         lo, k, nulls, need = plan_group(g, table, computed, total)
         if reserved:
             if need > g.count + (k - lo) - g.policy.num_reserved_blocks(reserved, len(g.tables)):
