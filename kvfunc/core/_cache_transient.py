@@ -86,6 +86,7 @@ class CacheGroupTransient(GroupTransient):
         self.writing()
         out: list[BlockId] = []
         refs, stale, hash_of, evicted = self.refs, self.stale, self.hash_of, self.evicted
+        key, add, gone = self.key, out.append, len(evicted)
         h = self.head
         while len(out) < n:
             want = n - len(out)
@@ -96,13 +97,13 @@ class CacheGroupTransient(GroupTransient):
                 if s:
                     stale[b] = s - 1
                     continue
-                out.append(b)
+                add(b)
                 refs[b] = 1
                 old = hash_of[b]
                 if old is not None:  # evicted: recorded for the delta
                     hash_of[b] = None
-                    self.num_cached -= 1
-                    evicted.append((self.key, b, old))
+                    evicted.append((key, b, old))
+        self.num_cached -= len(evicted) - gone
         self.head = h
         self.count -= n
         self.changed = True
@@ -183,11 +184,14 @@ class CacheGroupTransient(GroupTransient):
     def store_run(self, blocks: Sequence[BlockId], block_hashes: Sequence[bytes]) -> None:
         """Cache each block under its hash (a prefill caches a run)."""
         self.writing()
-        hash_of, add = self.hash_of, self.index.setdefault
+        hash_of, index = self.hash_of, self.index
+        get = index.get
         for b, h in zip(blocks, block_hashes, strict=True):
             hash_of[b] = h
-            have = add(h, [b])
-            if have[-1] != b and b not in have:
+            have = get(h)
+            if have is None:
+                index[h] = [b]
+            elif have[-1] != b and b not in have:
                 have.append(b)
                 if len(have) > _LONG:  # a hot hash: rebuild the index when freezing
                     self.candidates = self._limit() + 1

