@@ -543,6 +543,21 @@ def test_block_hashes_built_from_tuples_equal_hashed_ones() -> None:
         kf.BlockHashes(0, "sha256", b"r")
 
 
+@pytest.mark.parametrize(("first", "last", "size"), [(0, 3, 4), (1, 0, 4), (-1, 1, 4),
+                                                     (0, 1, 6), (0, 1, 0)])
+def test_token_ids_by_block_rejects_blocks_not_hashed(first: int, last: int,
+                                                      size: int) -> None:
+    """Group blocks past the hashed tokens, reversed, negative or of a size that is not a
+    multiple of the hash block size are typed errors; a valid range reads the lineage's
+    tokens, never a longer sibling's."""
+    h = kf.BlockHashes.of(range(9), 4)
+    longer = h.update(range(16))  # appends to the lists h shares
+    assert h.token_ids_by_block(0, 2, 4) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert longer.token_ids_by_block(1, 2, 8) == [tuple(range(8, 16))]
+    with pytest.raises(kf.InvalidArgumentError, match="not hashed"):
+        h.token_ids_by_block(first, last, size)
+
+
 def test_saves_in_two_state_groups_undone_in_one_batch() -> None:
     """Two Mamba groups save a state and evict it again within one batch: both saves are
     dropped from the delta (each at its own row), and the delta replays."""

@@ -189,9 +189,9 @@ class CacheGroupTransient(GroupTransient):
         for b, h in zip(blocks, block_hashes, strict=True):
             hash_of[b] = h
             have = get(h)
-            if have is None:
-                index[h] = [b]
-            elif have[-1] != b and b not in have:
+            if have is None:  # atomic: a sibling transition may add this hash meanwhile
+                have = index.setdefault(h, [b])
+            if have[-1] != b and b not in have:
                 have.append(b)
                 if len(have) > _LONG:  # a hot hash: rebuild the index when freezing
                     self.candidates = self._limit() + 1

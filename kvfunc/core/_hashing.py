@@ -121,9 +121,18 @@ def _pack(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian int64 bytes; anything else is a typed error."""
     try:  # struct packs a list 2-3x faster than array("q") converts it
         return struct.pack(f"<{len(token_ids)}q", *token_ids)
-    except struct.error as exc:
-        msg = f"token ids must be ints in the int64 range: {exc}"
+    except struct.error:
+        bad = next((t for t in token_ids if not _is_int64(t)), None)
+        msg = f"token ids must be ints in the int64 range, got {bad!r}"
         raise InvalidTypeError(msg) from None
+
+
+def _is_int64(value: object) -> bool:
+    try:
+        struct.pack("<q", value)
+    except struct.error:
+        return False
+    return True
 
 
 def _checked(block_size: int, hash_fn: str) -> Callable[[bytes], bytes]:
@@ -276,7 +285,7 @@ class BlockHashes:
         >>> h.update([5, "x"])
         Traceback (most recent call last):
         ...
-        kvfunc.core._errors.InvalidTypeError: token ids must be ints in the int64 range: ...
+        kvfunc.core._errors.InvalidTypeError: token ids must be ints in the int64 range, got 'x'
         """
         if len(token_ids) < self._end:  # no new full block: the common decode step
             return self
@@ -313,6 +322,23 @@ class BlockHashes:
         if 0 < index <= self.num_blocks:
             return self._digests[index - 1]
         return self.hashes[index - 1] if index else None  # tuple indexing past the fast case
+
+    def token_ids_by_block(self, first: int, last: int, size: int) -> list[tuple[int, ...]]:
+        """The token ids of blocks ``first .. last-1`` of ``size`` tokens, a tuple each.
+
+        ``size`` is a multiple of :attr:`block_size` (a group's block size)
+        and the blocks must be hashed.
+
+        >>> BlockHashes.of(range(12), 2).token_ids_by_block(1, 3, 4)
+        [(4, 5, 6, 7), (8, 9, 10, 11)]
+        """
+        if not (size > 0 and size % self.block_size == 0
+                and 0 <= first <= last and last * size <= self.num_tokens):
+            msg = (f"blocks {first}..{last} of {size} tokens are not hashed "
+                   f"({self.num_tokens} tokens in blocks of {self.block_size})")
+            raise InvalidArgumentError(msg)
+        run = iter(self._tokens[first * size:last * size])  # our entries only
+        return list(zip(*[run] * size, strict=True))  # ``size`` tokens at a time
 
     def block_token_ids(self, index: int, count: int = 1) -> tuple[int, ...]:
         """The token ids of ``count`` hashed blocks from block ``index`` on."""

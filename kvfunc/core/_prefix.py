@@ -441,8 +441,7 @@ def store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
         out.append((key, b, h, hashes.parent_hash(first * m), hashes.block_token_ids(first * m, m)))
         return
     blocks = list(table[first:full])
-    run = iter(hashes._tokens[first * bs:full * bs])  # our entries: full <= num_blocks // m
-    tokens = list(zip(*[run] * bs, strict=True))  # a tuple of ``bs`` token ids per block
+    tokens = hashes.token_ids_by_block(first, full, bs)
     if m == 1:
         new = hs[first:full]
         parents = [hs[first - 1] if first else None, *new[:-1]]

@@ -120,8 +120,8 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                              + len(table or ()))
         acting: set[int] = set()
         for gi, g in enumerate(groups):  # pass 1b, group by group: plan, change nothing
-            # the blocks simple requests write in place (a hit must not share one)
-            shared = {b for hit in hits for b in hit.block_ids.get(g.key, ())}
+            # the blocks the step's hits share: no simple request may write one in place
+            shared = {b for h in hits for b in h.block_ids.get(g.key, ())} if hits else None
             get, refs, hash_of, bs = g.tables.get, g.refs, g.hash_of, g.block_size
             w, grows, may_skip, group_actions = g.window, g.grows, g.may_skip, actions[gi]
             for i, rid, computed, written, total, hashes in rows:
