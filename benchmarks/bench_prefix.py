@@ -12,15 +12,17 @@ prompt is the system prompt followed by a user part drawn like a core
 prompt.  Every token id (system prompts, user parts, outputs) is a seeded
 random id in 0..65535.
 
-The trace is replayed through these lanes, all on the same pool:
+The trace is replayed through these lanes, all on the same pool.  In every
+lane the engine keeps each request's token list, as any engine does: it
+appends each decode token and drops the list when the request ends.
 
 * caching off (a plain state, counts only, as an engine without caching
   calls the core): ``allocate_slots`` per call, or ``allocate_batch`` per
   step over ``SlotRequest``s built in the timed loop;
 * caching on, for ``sha256`` and ``xxh3_128``, the engine's whole work:
   ``BlockHashes.of`` of each admitted prompt, ``lookup_prefix`` and the
-  admission with the hit, one ``append`` + ``BlockHashes.update`` per decode
-  token, ``block_hashes`` on every call, the frees;
+  admission with the hit, one ``BlockHashes.update`` per decode token,
+  ``block_hashes`` on every call, the frees;
 
 each per step (one ``allocate_batch``: the target, all steps) and per call
 (one ``allocate_slots`` per request: information, the first 128 steps).
@@ -186,7 +188,7 @@ class Ctx:
         self.hash_fn = hash_fn
         self.hashes: dict[int, kf.BlockHashes] = {}
         # the engine's token list of each request (copied here, untimed: the engine has it)
-        self.toks = {} if hash_fn is None else {r: list(p) for r, p in trace.prompts.items()}
+        self.toks = {r: list(p) for r, p in trace.prompts.items()}
         self.retries = 0  # batched admissions refused because a hit block was evicted
 
 
@@ -203,14 +205,19 @@ def on_setup(groups: Groups, trace: Trace, hash_fn: str | None) -> Ctx:
     return ctx
 
 
-def off_call_replay(ctx: Ctx, steps: Sequence[Step], log: list[Any] | None) -> None:
+def off_call_replay(ctx: Ctx, steps: Sequence[OnStep], log: list[Any] | None) -> None:
     allocate_slots, free_request = kf.allocate_slots, kf.free_request
-    state = ctx.state
-    for frees, allocs in steps:
+    state, toks = ctx.state, ctx.toks
+    for frees, ops in steps:
         for rid in frees:
             state, _ = free_request(state, rid)
-        for rid, computed, new in allocs:
-            r = allocate_slots(state, rid, computed, new)
+            del toks[rid]
+        for rid, computed, x in ops:
+            if computed:  # decode: the engine appends the token (caching or not)
+                toks[rid].append(x)
+                r = allocate_slots(state, rid, computed, 1)
+            else:
+                r = allocate_slots(state, rid, 0, len(x))
             if not r.ok:
                 raise Refused(rid)
             state = r.state
@@ -219,13 +226,21 @@ def off_call_replay(ctx: Ctx, steps: Sequence[Step], log: list[Any] | None) -> N
     ctx.state = state
 
 
-def off_batch_replay(ctx: Ctx, steps: Sequence[Step], log: list[Any] | None) -> None:
+def off_batch_replay(ctx: Ctx, steps: Sequence[OnStep], log: list[Any] | None) -> None:
     allocate_batch, free_request, slot_request = kf.allocate_batch, kf.free_request, kf.SlotRequest
-    state = ctx.state
-    for frees, allocs in steps:
+    state, toks = ctx.state, ctx.toks
+    for frees, ops in steps:
         for rid in frees:
             state, _ = free_request(state, rid)
-        res = allocate_batch(state, [slot_request(rid, c, n) for rid, c, n in allocs])
+            del toks[rid]
+        reqs = []
+        for rid, computed, x in ops:
+            if computed:  # decode: the engine appends the token (caching or not)
+                toks[rid].append(x)
+                reqs.append(slot_request(rid, computed, 1))
+            else:
+                reqs.append(slot_request(rid, 0, len(x)))
+        res = allocate_batch(state, reqs)
         if res.refused:
             raise Refused(res.refused)
         state = res.state
@@ -317,8 +332,8 @@ class Lane:
             (on_batch_replay if batched else on_call_replay) if caching
             else (off_batch_replay if batched else off_call_replay))
 
-    def steps(self, trace: Trace) -> Sequence[Any]:
-        return trace.on_steps if self.caching else trace.steps
+    def steps(self, trace: Trace) -> Sequence[OnStep]:
+        return trace.on_steps
 
 
 def snapshot(state: kf.KVState) -> Any:
