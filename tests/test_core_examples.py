@@ -234,6 +234,21 @@ def test_from_cache_info_groups_like_the_seed() -> None:
         kf.KVState.from_cache_info(info, {"SlidingWindow": 9, "FullAttention": 33}, 4096)
 
 
+@pytest.mark.parametrize("make", [kf.SlotRequest, lambda *r: r])
+def test_a_plain_batch_is_planned_group_by_group(make: object,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """SlotRequests without reservations, keys or caching take the group-major path, as
+    plain tuples do: no request goes through the per-request step."""
+    s = kf.allocate_batch(full(), [("a", 0, 5), ("b", 0, 3)]).state
+
+    def per_request(*args: object) -> bool:
+        raise AssertionError("the per-request step ran")
+
+    monkeypatch.setattr("kvfunc.core._batch.allocate_into", per_request)
+    res = kf.allocate_batch(s, [make("a", 5, 4), make("b", 3, 1)])  # type: ignore[operator]
+    assert ({"full": (1, 2, 4)}, {"full": (3,)}) == (ids(res.state, "a"), ids(res.state, "b"))
+
+
 def test_a_batch_names_each_request_once() -> None:
     """A request id repeated in one batch is a typed error and the input state is kept."""
     s = swa(num_blocks=2, block_size=1, window=0)

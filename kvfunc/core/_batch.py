@@ -138,6 +138,11 @@ def _rows(reqs: Sequence[Any], limit: int) -> list[tuple[Any, int, int]] | None:
         elif width == 4:
             rid, computed, new, lookahead = req
             total = computed + new + lookahead
+        elif width == 8:  # a SlotRequest
+            rid, computed, new, lookahead, reserved, keys, hashes, hit = req
+            if reserved or keys is not None or hashes is not None or hit is not None:
+                return None
+            total = computed + new + lookahead
         elif width == 6:
             rid, computed, new, lookahead, reserved, keys = req
             if reserved or keys is not None:
