@@ -332,8 +332,6 @@ class Lane:
             (on_batch_replay if batched else on_call_replay) if caching
             else (off_batch_replay if batched else off_call_replay))
 
-    def steps(self, trace: Trace) -> Sequence[OnStep]:
-        return trace.on_steps
 
 
 def snapshot(state: kf.KVState) -> Any:
@@ -353,7 +351,6 @@ def time_lanes(lanes: Sequence[Lane], groups: Groups, trace: Trace, rounds: int,
     snaps: dict[str, Any] = {}
     for _ in range(rounds):
         ctxs = [lane.setup(groups, trace, lane.hash_fn) for lane in lanes]
-        all_steps = [lane.steps(trace)[:num_steps] for lane in lanes]
         spent = [0] * len(lanes)
         gc.collect()
         gc.disable()
@@ -361,7 +358,7 @@ def time_lanes(lanes: Sequence[Lane], groups: Groups, trace: Trace, rounds: int,
             for i, start in enumerate(range(0, num_steps, SEGMENT)):
                 for j in range(len(lanes)):
                     k = (i + j) % len(lanes)
-                    segment = all_steps[k][start:start + SEGMENT]
+                    segment = trace.on_steps[start:min(start + SEGMENT, num_steps)]
                     t0 = perf_counter_ns()
                     lanes[k].replay(ctxs[k], segment, None)
                     spent[k] += perf_counter_ns() - t0
@@ -393,7 +390,7 @@ def cache_metrics(lane: Lane, groups: Groups, trace: Trace, num_steps: int) -> d
     stats = kf.PrefixCacheStats()
     seen: set[int] = {trace.system_of[r] for r, _, _ in trace.fill} - {None}  # type: ignore[misc]
     ideal = 0
-    steps = lane.steps(trace)[:num_steps]
+    steps = trace.on_steps[:num_steps]
     for start in range(0, len(steps), SEGMENT):
         log: list[Any] = []
         segment = steps[start:start + SEGMENT]
@@ -557,7 +554,7 @@ def profile(trace: Trace, fn: str, num_steps: int, top: int = 15) -> dict[str, A
         gc.disable()
         try:
             prof.enable()
-            lane.replay(ctx, lane.steps(trace)[:num_steps], None)
+            lane.replay(ctx, trace.on_steps[:num_steps], None)
             prof.disable()
         finally:
             gc.enable()

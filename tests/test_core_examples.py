@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
 import kvfunc as kf
+import kvfunc.core._batch
 
 
 def full(num_blocks: int = 10, block_size: int = 4) -> kf.KVState:
@@ -240,13 +242,41 @@ def test_a_plain_batch_is_planned_group_by_group(make: object,
     """SlotRequests without reservations, keys or caching take the group-major path, as
     plain tuples do: no request goes through the per-request step."""
     s = kf.allocate_batch(full(), [("a", 0, 5), ("b", 0, 3)]).state
+    planned: list[bool] = []
+    group_major = kvfunc.core._batch._group_major
 
-    def per_request(*args: object) -> bool:
-        raise AssertionError("the per-request step ran")
+    def spy(*args: Any) -> bool:
+        planned.append(group_major(*args))
+        return planned[-1]
 
-    monkeypatch.setattr("kvfunc.core._batch.allocate_into", per_request)
+    monkeypatch.setattr(kvfunc.core._batch, "_group_major", spy)
     res = kf.allocate_batch(s, [make("a", 5, 4), make("b", 3, 1)])  # type: ignore[operator]
+    assert [True] == planned
     assert ({"full": (1, 2, 4)}, {"full": (3,)}) == (ids(res.state, "a"), ids(res.state, "b"))
+
+
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("req", [
+    ("a", 0, True), ("a", 0.0, 5), ("a", 0, 5, False), (None, 0, 5), (1.0, 0, 5),
+    kf.SlotRequest("a", 0, 5, 0, False), kf.SlotRequest("a", 0, 5, 0, 0.0),
+    kf.SlotRequest("a", 0, 5, 0, 0, "full"), kf.SlotRequest("a", 0, -1)])
+def test_a_batch_rejects_what_allocate_slots_rejects(req: tuple[object, ...],
+                                                     caching: bool) -> None:
+    """A batch entry that allocate_slots would refuse to take raises the same typed error,
+    wherever it stands in the batch, and the input state is kept."""
+    s = kf.KVState.create({"full": kf.FullAttention(num_blocks=10, block_size=4)}, 1024,
+                          enable_prefix_caching=caching)
+    s = kf.allocate_batch(s, [("b", 0, 5)]).state
+    rid, computed, new, *rest = req
+    lookahead, reserved, keys = (list(rest) + [0, 0, None])[:3]
+    with pytest.raises(kf.KVFuncError) as expected:
+        kf.allocate_slots(s, rid, computed, new, lookahead,  # type: ignore[arg-type]
+                          reserved_tokens=reserved, manager_keys=keys)
+    for batch in ([req, ("b", 5, 1)], [("b", 5, 1), req]):
+        before = repr(s)
+        with pytest.raises(type(expected.value)):
+            kf.allocate_batch(s, batch)  # type: ignore[list-item]
+        assert before == repr(s)
 
 
 def test_a_batch_names_each_request_once() -> None:

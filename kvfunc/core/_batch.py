@@ -109,9 +109,11 @@ def allocate_batch(state: KVState, requests: Iterable[SlotRequest | tuple[Any, .
                 msg = f"request {rid!r} appears twice in one batch; a step names it once"
                 raise InvalidArgumentError(msg)
             seen.add(rid)
+            check_request_id(rid)  # what allocate_slots checks, so a batch refuses the same
+            check_manager_keys(keys)
+            check_counts(computed, new, lookahead, reserved)
             if hit is not None or (hashes is not None and (
                     type(hashes) is not BlockHashes or hashes.block_size not in checked)):
-                check_counts(computed, new, lookahead, reserved)
                 check_prefix_args(state, rid, computed, keys, hashes, hit)
                 if hashes is not None:
                     checked.add(hashes.block_size)
@@ -134,24 +136,25 @@ def _rows(reqs: Sequence[Any], limit: int) -> list[tuple[Any, int, int]] | None:
         width = len(req)
         if width == 3:
             rid, computed, new = req
-            total = computed + new
+            lookahead = 0
         elif width == 4:
             rid, computed, new, lookahead = req
-            total = computed + new + lookahead
         elif width == 8:  # a SlotRequest
             rid, computed, new, lookahead, reserved, keys, hashes, hit = req
-            if reserved or keys is not None or hashes is not None or hit is not None:
+            if (reserved != 0 or type(reserved) is not int or keys is not None
+                    or hashes is not None or hit is not None):
                 return None
-            total = computed + new + lookahead
         elif width == 6:
             rid, computed, new, lookahead, reserved, keys = req
-            if reserved or keys is not None:
+            if reserved != 0 or type(reserved) is not int or keys is not None:
                 return None
-            total = computed + new + lookahead
         else:
             return None
-        if new < 0 or total < 0 or type(total) is not int:
+        if not (type(computed) is type(new) is type(lookahead) is int) or new < 0:
             return None  # the request-major path raises the precise error
+        total = computed + new + lookahead
+        if total < 0:
+            return None
         if total > limit:
             add((rid, computed if computed < limit else limit, limit))
         else:
