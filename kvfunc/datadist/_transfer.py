@@ -389,21 +389,27 @@ def _serve_push(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
             manager._unpin(pinned.cache_id)
         _put_quietly(link, f"x/{tid}/accept", error_reply(exc))
         return
+    done: dict[str, Any] | None = {"ok": True}
     try:
         link.channel.put(f"x/{tid}/accept", {"ok": True})
         for i, layer in enumerate(layers):
             raise_if_error(link.channel.take(f"x/{tid}/ready/{i}", timeout_s))
             incoming.receive(layer, timeout_s)
-        link.channel.put(f"x/{tid}/done", {"ok": True})
     except (TransferTimeoutError, LinkFailedError) as exc:
         incoming.abandon()
         link.mark_broken(f"receiving a push: {exc}")
-        _put_quietly(link, f"x/{tid}/done", error_reply(exc))
+        done = error_reply(exc)
     except LLMError as exc:  # the sender aborted: its layer wait failed
         incoming.abandon()
         log.info("push %d from cluster %d aborted: %s", tid, link.peer_cluster_id, exc)
-    finally:
+        done = None
+    finally:  # before the sender hears the outcome: a finished push holds no pin here
         manager._unpin(pinned.cache_id)
+    if done is not None:
+        try:
+            link.channel.put(f"x/{tid}/done", done)
+        except LinkFailedError as exc:
+            link.mark_broken(f"replying to a push: {exc}")
 
 
 def dispatch(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:

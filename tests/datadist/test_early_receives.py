@@ -105,6 +105,11 @@ def test_a_push_whose_link_closes_raises_a_link_error(
         src, Layers(), [dd.TransferConfig(1, dst.cache_id)], [0, 1], [2, 3],
         tensor_num_per_layer=2)
     computed[0].set()
+    for _ in range(500):  # the decoder took the push (it pins its cache while it receives)
+        if decoder.cache_manager.state.caches[dst.cache_id].pins:
+            break
+        threading.Event().wait(0.01)
+    assert 1 == decoder.cache_manager.state.caches[dst.cache_id].pins
     assert (CODE.LLM_SUCCESS, [CODE.LLM_SUCCESS]) == decoder.unlink_clusters(
         [dd.ClusterInfo(0, *prompt.listen_address)])
     for _ in range(500):  # the prompt side learns of the unlink through its inbox
