@@ -333,7 +333,6 @@ class Lane:
             else (off_batch_replay if batched else off_call_replay))
 
 
-
 def snapshot(state: kf.KVState) -> Any:
     return core.state_snapshot(state)
 

@@ -263,7 +263,8 @@ def test_a_plain_batch_is_planned_group_by_group(make: object,
 def test_a_batch_rejects_what_allocate_slots_rejects(req: tuple[object, ...],
                                                      caching: bool) -> None:
     """A batch entry that allocate_slots would refuse to take raises the same typed error,
-    wherever it stands in the batch, and the input state is kept."""
+    wherever it stands in the batch, and leaves nothing behind: the next step on the input
+    state gives what it gave before."""
     s = kf.KVState.create({"full": kf.FullAttention(num_blocks=10, block_size=4)}, 1024,
                           enable_prefix_caching=caching)
     s = kf.allocate_batch(s, [("b", 0, 5)]).state
@@ -272,11 +273,12 @@ def test_a_batch_rejects_what_allocate_slots_rejects(req: tuple[object, ...],
     with pytest.raises(kf.KVFuncError) as expected:
         kf.allocate_slots(s, rid, computed, new, lookahead,  # type: ignore[arg-type]
                           reserved_tokens=reserved, manager_keys=keys)
-    for batch in ([req, ("b", 5, 1)], [("b", 5, 1), req]):
-        before = repr(s)
+    before = kf.allocate_batch(s, [("b", 5, 4)])
+    for batch in ([req, ("b", 5, 4)], [("b", 5, 4), req]):
         with pytest.raises(type(expected.value)):
             kf.allocate_batch(s, batch)  # type: ignore[list-item]
-        assert before == repr(s)
+        kf.check_invariants(s)
+        assert before == kf.allocate_batch(s, [("b", 5, 4)])
 
 
 def test_a_batch_names_each_request_once() -> None:

@@ -271,7 +271,7 @@ class BlockHashes:
     @property
     def blocks(self) -> tuple[tuple[int, ...], ...]:
         """The token ids of each hashed block."""
-        return tuple(self.block_token_ids(i) for i in range(self.num_blocks))
+        return tuple(self.token_ids_by_block(0, self.num_blocks, self.block_size))
 
     def update(self, token_ids: Sequence[int]) -> BlockHashes:
         """Hash the blocks that became full; ``token_ids`` is the request's whole sequence.

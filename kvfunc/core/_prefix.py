@@ -438,7 +438,8 @@ def store_full_blocks(g: CacheGroupTransient, rid: RequestId, written: int,
     if first == full - 1:  # the common case: the block a decode step just filled
         b, h = table[first], hs[full * m - 1]
         g.store(b, h)
-        out.append((key, b, h, hashes.parent_hash(first * m), hashes.block_token_ids(first * m, m)))
+        out.append((key, b, h, hashes.parent_hash(first * m),
+                    hashes.token_ids_by_block(first, full, bs)[0]))
         return
     blocks = list(table[first:full])
     tokens = hashes.token_ids_by_block(first, full, bs)

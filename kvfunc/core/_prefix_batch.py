@@ -130,7 +130,8 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                     held = len(table)
                     p = computed // bs
                     writes_shared = False
-                    while p < held and p * bs < total:  # blocks written in place
+                    # blocks written in place (``quiet``'s check, inlined: the hot loop)
+                    while p < held and p * bs < total:
                         b = table[p]
                         if b:
                             if refs[b] > 1:
@@ -150,7 +151,7 @@ def cached_batch(tr: Transient, reqs: Sequence[Any], sink: DeltaBuilder
                             quiet = k <= 0 or table[(k if k < held else held) - 1] == NULL_BLOCK
                         else:
                             quiet = not may_skip
-                        if quiet:  # only caching may be left to do: a block filled up
+                        if quiet:  # only caching may be left: ``uncached_full_block`` inlined
                             if hashes is not None:
                                 full = written // bs
                                 if full > held:

@@ -376,8 +376,8 @@ class _TorchIncoming(Incoming):
         self.works: dict[int, Any] = {}  # tensor index -> the receive that brings it
         self.arrived: set[int] = set()
         chunks = chunks_of(layers, tensor_nbytes)
-        for chunk in chunks:
-            if chunk != list(range(chunk[0], chunk[-1] + 1)):
+        for chunk in chunks:  # all checked before any receive is posted
+            if not consecutive(chunk):
                 raise InvalidParamError(f"layer tensors {chunk} are not consecutive")
         self.starts = [chunk[0] for chunk in chunks]
         for chunk in chunks:
@@ -458,20 +458,18 @@ class TorchEndpoint(Endpoint):
 
     def drain(self, tag: int, starts: Sequence[int], timeout_s: float) -> None:
         empty = torch.empty(0, dtype=torch.uint8, device=self.wire_device)
-        works: list[Any] = []
         deadline = time.monotonic() + timeout_s
+        handles: list[Any] = []
+        waited = 0
         try:
             for s in starts:
-                works.append(self.group.send([empty], self.peer, (tag + s) % TAG_SPACE))
-            while works:  # a gloo send is released only once waited for
-                _wait(works[0], deadline - time.monotonic(), "draining", self.wire_device)
-                works.pop(0)
-        except TransferTimeoutError:
-            self.abandoned.append(works)
+                handles.append(self.send(empty, (tag + s) % TAG_SPACE))
+            for handle in handles:  # a gloo send is released only once waited for
+                self.wait_sent(handle, deadline - time.monotonic())
+                waited += 1
+        except (TransferTimeoutError, LinkFailedError):
+            self.abandoned.append(handles[waited:])
             raise
-        except RuntimeError as exc:
-            self.abandoned.append(works)
-            raise LinkFailedError(f"the transport is closed: {exc!r:.200}") from None
 
     def outgoing(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
                  layers: Sequence[Sequence[int]]) -> Outgoing:

@@ -163,7 +163,8 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
                 raise InvalidParamError("the peer's accept has no sender descriptor")
             ack = get_bool(accept, "ack")
         except LLMError:
-            if incoming is not None:  # refused: the peer drained what was posted
+            if incoming is not None:  # give the posted receives back (a refusing peer
+                # drained them; an accept this side rejects still sends: it is discarded)
                 _cancel(link, incoming, deadline)
             raise
         if incoming is None:

@@ -71,9 +71,11 @@ def test_refused_multi_message_pulls_leave_nothing_pending(
         # a decoder that posts one message per tensor; the sender sends two per message
         endpoint.incoming = lambda tensors, rows, tag, layers, descriptor: own_incoming(
             tensors, rows, tag, [[i] for layer in layers for i in layer], descriptor)
-        with pytest.raises(LLMError) as info:
-            cm.pull_blocks(dd.BlocksCacheKey(0, 1), dst, ROWS, ROWS)
-        del endpoint.incoming
+        try:
+            with pytest.raises(LLMError) as info:
+                cm.pull_blocks(dd.BlocksCacheKey(0, 1), dst, ROWS, ROWS)
+        finally:
+            del endpoint.incoming
         assert CODE.LLM_PARAM_INVALID == info.value.status_code
         assert "messages [0, 1, 2, 3], this side sends [0, 2]" in str(info.value)
     assert ([], [], None, None) == (endpoint.abandoned, p_link.transport.abandoned,
