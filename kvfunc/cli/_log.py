@@ -95,7 +95,8 @@ class DeltaLogWriter:
 
     def write(self, step: int, delta: BlocksChanged) -> None:
         """Append one delta (its non-empty columns) recorded at ``step``."""
-        columns = {name: list(value) for name in _COLUMNS if (value := getattr(delta, name))}
+        columns: dict[str, Any] = {name: value if name == "order" else list(value)
+                                   for name in _COLUMNS if (value := getattr(delta, name))}
         self._line({"step": step, "delta": columns})
         self.num_deltas += 1
 
@@ -126,10 +127,17 @@ def _delta(record: object, path: str, line: int) -> BlocksChanged:
     columns = record.get("delta") if isinstance(record, dict) else None
     if not isinstance(columns, dict) or set(columns) - set(_COLUMNS):
         raise _malformed(path, line, "expected {\"step\": N, \"delta\": {columns}}")
-    if not all(isinstance(v, list) for v in columns.values()):
-        raise _malformed(path, line, "every delta column must be a list")
-    fields: dict[str, Any] = {name: tuple(value) for name, value in columns.items()}
+    if not isinstance(columns.get("order", ""), str) or not all(
+            isinstance(v, list) for k, v in columns.items() if k != "order"):
+        raise _malformed(path, line, "a delta's order must be a string, its columns lists")
+    fields: dict[str, Any] = {name: value if name == "order" else tuple(map(_leaf, value))
+                              for name, value in columns.items()}
     return BlocksChanged(**fields)
+
+
+def _leaf(value: object) -> object:
+    """A JSON cell as a delta holds it: a list (a block's token ids) becomes a tuple."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 @attrs.define
@@ -151,7 +159,12 @@ class _Reader:
                 if next(lines, None) is not None:
                     raise _malformed(self.path, self.line + 1, "text after the final record")
                 return
-            self.step = record.get("step") if isinstance(record, dict) else None
+            step = record.get("step") if isinstance(record, dict) else None
+            if type(step) is not int or step < 0 or (type(self.step) is int and step < self.step):
+                msg = (f"step {step!r} does not follow step {self.step!r}: steps are "
+                       "non-negative ints that never decrease")
+                raise _malformed(self.path, self.line, msg)
+            self.step = step
             yield _delta(record, self.path, self.line)
 
 
