@@ -238,8 +238,8 @@ def test_from_cache_info_groups_like_the_seed() -> None:
 
 @pytest.mark.parametrize("make", [kf.SlotRequest, lambda *r: r])
 def test_quiet_entries_take_the_quiet_lane(make: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode entry that needs no block, recycles none and caches none skips the step
-    (plain tuples and SlotRequests alike); the others run it, in order."""
+    """A decode entry that needs no block, or only new blocks at its table's end, takes the
+    lane (plain tuples and SlotRequests alike); a new request runs the step."""
     s = kf.allocate_batch(full(), [("a", 0, 5), ("b", 0, 3)]).state
     stepped: list[object] = []
     step = kvfunc.core._fold.step
@@ -249,9 +249,10 @@ def test_quiet_entries_take_the_quiet_lane(make: object, monkeypatch: pytest.Mon
         return step(tr, rid, *args)
 
     monkeypatch.setattr(kvfunc.core._fold, "step", spy)
-    res = kf.allocate_batch(s, [make("a", 5, 4), make("b", 3, 1)])  # type: ignore[operator]
-    assert ["a"] == stepped  # "b" writes its fourth token into the block it holds
-    assert ({"full": (1, 2, 4)}, {"full": (3,)}) == (ids(res.state, "a"), ids(res.state, "b"))
+    res = kf.allocate_batch(s, [make("a", 5, 4), make("b", 3, 1), make("c", 0, 1)])  # type: ignore[operator]
+    assert ["c"] == stepped  # "a" grows by a block, "b" writes into the block it holds
+    assert ({"full": (1, 2, 4)}, {"full": (3,)}, {"full": (5,)}) == (
+        ids(res.state, "a"), ids(res.state, "b"), ids(res.state, "c"))
 
 
 @pytest.mark.parametrize("caching", [False, True])

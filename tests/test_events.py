@@ -176,13 +176,21 @@ def test_subscriber_rebuilds_the_cached_blocks(groups: dict[str, Any],
 @given(groups=_groups(), ops=_OPS)
 def test_events_are_ordered_and_chained(groups: dict[str, Any], ops: list[tuple[Any, ...]]
                                         ) -> None:
-    """Per delta: clear, removals, stores; a BlockStored's blocks chain; counts match rows."""
+    """Per delta: the events follow its operations in order (a clear, then each removal and
+    store where it happened); a BlockStored's blocks chain; counts match rows."""
     engine = Engine(kf.KVState.create(groups, MAX_LEN, enable_prefix_caching=True))
-    rank = {AllBlocksCleared: 0, BlockRemoved: 1, BlockStored: 2}
     for delta, state in (step for op in ops for step in engine.run(op)):
         events = events_from_delta(delta, state)
-        kinds = [rank[type(e)] for e in events]
-        assert kinds == sorted(kinds)
+        happened = [(type(op).__name__, op.key, getattr(op, "block_id", None))
+                    for op in delta.operations()
+                    if isinstance(op, kf.Evicted | kf.Stored | kf.Cleared)]
+        told = [(name, e.group, b) for e in events if not isinstance(e, AllBlocksCleared)
+                for name, b in zip(["Evicted" if isinstance(e, BlockRemoved) else "Stored"]
+                                   * len(e.block_ids), e.block_ids, strict=True)]
+        assert told == [h for h in happened if h[0] != "Cleared"]
+        if delta.cleared_keys:
+            assert [AllBlocksCleared(delta.cleared_keys)] == [
+                e for e in events if isinstance(e, AllBlocksCleared)]
         stored = [e for e in events if isinstance(e, BlockStored)]
         removed = [e for e in events if isinstance(e, BlockRemoved)]
         assert sum(len(e.block_hashes) for e in stored) == len(delta.stored_keys)

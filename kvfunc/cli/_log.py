@@ -40,7 +40,7 @@ from kvfunc.core import (
 __all__ = ["LOG_VERSION", "DeltaLogWriter", "ReplayFailed", "state_content", "verify_log"]
 
 LOG_VERSION = 1
-_COLUMNS = tuple(f.name for f in attrs.fields(BlocksChanged) if f.name != "version")
+_COLUMNS = BlocksChanged.FIELDS[1:]
 
 
 class ReplayFailed(Exception):

@@ -102,8 +102,12 @@ class KVCacheManager:
             keys = check_manager_keys(manager_keys)
             if any(keys is None or k in keys for k in self._abstract):
                 raise NotSupportedError("Subclasses must implement get_num_skipped_tokens")
-        entry = slot_entry(request_id, computed_tokens, num_new_tokens, lookahead_tokens,
-                           reserved_tokens, manager_keys)
+        if (manager_keys is None and not (lookahead_tokens or reserved_tokens)
+                and type(lookahead_tokens) is int is type(reserved_tokens)):
+            entry: tuple[Any, ...] = (request_id, computed_tokens, num_new_tokens)  # plain form
+        else:  # checked by the fold
+            entry = slot_entry(request_id, computed_tokens, num_new_tokens, lookahead_tokens,
+                               reserved_tokens, manager_keys)
         return not fold(self._store.tr, (entry,))
 
     def free(self, request_id: Any) -> None:

@@ -33,8 +33,9 @@ from kvfunc.core._state import GroupState
 __all__ = ["CachingGroupCopy"]
 
 _new = tuple.__new__
-# A candidate list longer than this (a hot hash stored into many blocks over time, here
-# or in transitions that were thrown away) makes the transition rebuild the index.
+# A candidate list longer than this that is mostly stale (a hot hash stored into many
+# blocks over time, here or in transitions that were thrown away) makes the transition
+# rebuild the index.  A hash cached in many blocks at once is not stale: no rebuild.
 _LONG = 32
 
 
@@ -250,8 +251,10 @@ class CachingGroupCopy(GroupCopy):
             have = index.setdefault(block_hash, [b])
         if have[-1] != b and b not in have:
             have.append(b)
-            if len(have) > _LONG:  # a hot hash: rebuild the index when freezing
-                self.candidates = self._limit() + 1
+            if len(have) > _LONG:  # a long list: rebuild the index if it is mostly stale
+                valid = sum(1 for x in have if self.hash_of[x] == block_hash)
+                if len(have) > 2 * valid + _LONG:
+                    self.candidates = self._limit() + 1
         self.num_cached += 1
         self.candidates += 1
 

@@ -47,7 +47,7 @@ parallel columns, and an ``order`` that names each row exactly once.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, overload
 
 import attrs
 
@@ -55,7 +55,8 @@ from kvfunc.core._checks import excerpt
 from kvfunc.core._errors import ReplayMismatchError
 
 __all__ = [
-    "COPY_INTO_NEW", "COPY_SAVED", "DELTA_VERSION", "EMPTY_DELTA", "FAMILIES", "Appended",
+    "COLUMN_NAMES", "COPY_INTO_NEW", "COPY_SAVED", "DELTA_VERSION", "EMPTY_DELTA", "FAMILIES",
+    "FIELDS", "Appended",
     "BlocksChanged", "Cleared", "Copied", "DeltaBuilder", "Evicted", "Freed", "LookedUp",
     "Nulled", "Operation", "Registered", "Released", "Shared", "Stored",
 ]
@@ -182,10 +183,6 @@ COLUMNS: dict[str, tuple[str, ...]] = {c: _columns(prefix, rec) for c, prefix, r
 _RECORDS = {code: rec for code, _, rec in FAMILIES}
 
 
-def _field(**kw: Any) -> Any:
-    return attrs.field(default=_EMPTY, **kw)
-
-
 def _codes(value: Any) -> Any:
     """``order`` as a str; a sequence of one-letter codes (a JSON round trip) is joined."""
     if type(value) is str or not isinstance(value, list | tuple):
@@ -193,11 +190,40 @@ def _codes(value: Any) -> Any:
     return "".join(value) if all(type(c) is str for c in value) else value
 
 
-@attrs.frozen(slots=True)
+_T = TypeVar("_T")
+
+
+class _Column(Generic[_T]):
+    """One column of a delta: a read-only attribute backed by the record's column tuple."""
+
+    __slots__ = ("index", "name")
+    count = 0
+
+    def __init__(self) -> None:
+        self.index = _Column.count
+        _Column.count += 1
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Column[_T]: ...
+
+    @overload
+    def __get__(self, obj: BlocksChanged, owner: type) -> _T: ...
+
+    def __get__(self, obj: BlocksChanged | None, owner: type) -> Any:
+        return self if obj is None else obj._columns[self.index]
+
+
 class BlocksChanged:
     """The delta of one transition (see the module docstring for the families).
 
-    Its ``repr`` is valid Python that rebuilds an equal record:
+    A value: immutable, hashable, equal when its version, order and columns
+    are.  Build one by keyword (``BlocksChanged(order="A", appended_keys=...)``;
+    a column left out is empty).  Its ``repr`` is valid Python that rebuilds
+    an equal record:
 
     >>> d = BlocksChanged(order="RA", registered_keys=("full",), registered_request_ids=("r1",),
     ...                   appended_keys=("full",), appended_request_ids=("r1",),
@@ -208,42 +234,95 @@ class BlocksChanged:
     [Registered(key='full', request_id='r1'), Appended(key='full', request_id='r1', block_id=1)]
     """
 
-    version: int = DELTA_VERSION
-    order: str = attrs.field(default="", converter=_codes)
-    registered_keys: tuple[str, ...] = _field()
-    registered_request_ids: tuple[int | str, ...] = _field()
-    released_keys: tuple[str, ...] = _field()
-    released_request_ids: tuple[int | str, ...] = _field()
-    nulled_keys: tuple[str, ...] = _field()
-    nulled_request_ids: tuple[int | str, ...] = _field()
-    nulled_positions: tuple[int, ...] = _field()
-    freed_keys: tuple[str, ...] = _field()
-    freed_block_ids: tuple[int, ...] = _field()
-    appended_keys: tuple[str, ...] = _field()
-    appended_request_ids: tuple[int | str, ...] = _field()
-    appended_block_ids: tuple[int, ...] = _field()
-    shared_keys: tuple[str, ...] = _field()
-    shared_request_ids: tuple[int | str, ...] = _field()
-    shared_block_ids: tuple[int, ...] = _field()
-    copied_keys: tuple[str, ...] = _field()
-    copied_request_ids: tuple[int | str, ...] = _field()
-    copied_positions: tuple[int, ...] = _field()
-    copied_src_block_ids: tuple[int, ...] = _field()
-    copied_dst_block_ids: tuple[int, ...] = _field()
-    stored_keys: tuple[str, ...] = _field()
-    stored_request_ids: tuple[int | str, ...] = _field()
-    stored_positions: tuple[int, ...] = _field()
-    stored_block_ids: tuple[int, ...] = _field()
-    stored_hashes: tuple[bytes, ...] = _field()
-    stored_parent_hashes: tuple[bytes | None, ...] = _field()
-    stored_token_ids: tuple[tuple[int, ...], ...] = _field()
-    evicted_keys: tuple[str, ...] = _field()
-    evicted_block_ids: tuple[int, ...] = _field()
-    evicted_hashes: tuple[bytes, ...] = _field()
-    cleared_keys: tuple[str, ...] = _field()
-    hit_request_ids: tuple[int | str, ...] = _field()
-    hit_tokens: tuple[int, ...] = _field()
-    hit_query_tokens: tuple[int, ...] = _field()
+    __slots__ = ("_columns", "order", "version")
+
+    #: Every field, in order: the constructor's keywords and what a log records.
+    FIELDS: ClassVar[tuple[str, ...]]
+    version: int
+    order: str
+    _columns: tuple[tuple[Any, ...], ...]
+
+    registered_keys: _Column[tuple[str, ...]] = _Column()
+    registered_request_ids: _Column[tuple[int | str, ...]] = _Column()
+    released_keys: _Column[tuple[str, ...]] = _Column()
+    released_request_ids: _Column[tuple[int | str, ...]] = _Column()
+    nulled_keys: _Column[tuple[str, ...]] = _Column()
+    nulled_request_ids: _Column[tuple[int | str, ...]] = _Column()
+    nulled_positions: _Column[tuple[int, ...]] = _Column()
+    freed_keys: _Column[tuple[str, ...]] = _Column()
+    freed_block_ids: _Column[tuple[int, ...]] = _Column()
+    appended_keys: _Column[tuple[str, ...]] = _Column()
+    appended_request_ids: _Column[tuple[int | str, ...]] = _Column()
+    appended_block_ids: _Column[tuple[int, ...]] = _Column()
+    shared_keys: _Column[tuple[str, ...]] = _Column()
+    shared_request_ids: _Column[tuple[int | str, ...]] = _Column()
+    shared_block_ids: _Column[tuple[int, ...]] = _Column()
+    copied_keys: _Column[tuple[str, ...]] = _Column()
+    copied_request_ids: _Column[tuple[int | str, ...]] = _Column()
+    copied_positions: _Column[tuple[int, ...]] = _Column()
+    copied_src_block_ids: _Column[tuple[int, ...]] = _Column()
+    copied_dst_block_ids: _Column[tuple[int, ...]] = _Column()
+    stored_keys: _Column[tuple[str, ...]] = _Column()
+    stored_request_ids: _Column[tuple[int | str, ...]] = _Column()
+    stored_positions: _Column[tuple[int, ...]] = _Column()
+    stored_block_ids: _Column[tuple[int, ...]] = _Column()
+    stored_hashes: _Column[tuple[bytes, ...]] = _Column()
+    stored_parent_hashes: _Column[tuple[bytes | None, ...]] = _Column()
+    stored_token_ids: _Column[tuple[tuple[int, ...], ...]] = _Column()
+    evicted_keys: _Column[tuple[str, ...]] = _Column()
+    evicted_block_ids: _Column[tuple[int, ...]] = _Column()
+    evicted_hashes: _Column[tuple[bytes, ...]] = _Column()
+    cleared_keys: _Column[tuple[str, ...]] = _Column()
+    hit_request_ids: _Column[tuple[int | str, ...]] = _Column()
+    hit_tokens: _Column[tuple[int, ...]] = _Column()
+    hit_query_tokens: _Column[tuple[int, ...]] = _Column()
+
+    def __init__(self, version: int = DELTA_VERSION, order: str = "", **columns: Any) -> None:
+        cols = [_EMPTY] * len(COLUMN_NAMES)
+        for name, value in columns.items():
+            i = _COLUMN_INDEX.get(name)
+            if i is None:
+                msg = f"BlocksChanged has no column {excerpt(name)}"
+                raise TypeError(msg)
+            cols[i] = value
+        _set(self, "version", version)
+        _set(self, "order", _codes(order))
+        _set(self, "_columns", tuple(cols))
+
+    @classmethod
+    def _of(cls, order: str, columns: tuple[tuple[Any, ...], ...]) -> BlocksChanged:
+        """A delta of this version from its order and every column (no checks: the builder's)."""
+        d = object.__new__(cls)
+        _set(d, "version", DELTA_VERSION)
+        _set(d, "order", order)
+        _set(d, "_columns", columns)
+        return d
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise attrs.exceptions.FrozenInstanceError
+
+    def __delattr__(self, name: str) -> None:
+        raise attrs.exceptions.FrozenInstanceError
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not BlocksChanged:
+            return NotImplemented
+        return (self.version, self.order, self._columns) == (other.version, other.order,
+                                                               other._columns)
+
+    def __hash__(self) -> int:
+        return hash((self.version, self.order, self._columns))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.version, self.order, self._columns))
+
+    def __repr__(self) -> str:
+        shown = [f"version={self.version!r}"]
+        if self.order:
+            shown.append(f"order={self.order!r}")
+        shown += [f"{name}={col!r}" for name, col in zip(COLUMN_NAMES, self._columns, strict=True)
+                  if col]
+        return f"BlocksChanged({', '.join(shown)})"
 
     @property
     def is_empty(self) -> bool:
@@ -275,6 +354,22 @@ class BlocksChanged:
         """
         return tuple(b for k, b in zip(self.appended_keys, self.appended_block_ids, strict=True)
                      if k == key and b)
+
+
+_set = object.__setattr__
+COLUMN_NAMES: tuple[str, ...] = tuple(
+    name for name, v in vars(BlocksChanged).items() if isinstance(v, _Column))
+_COLUMN_INDEX = {name: i for i, name in enumerate(COLUMN_NAMES)}
+FIELDS: tuple[str, ...] = ("version", "order", *COLUMN_NAMES)
+BlocksChanged.FIELDS = FIELDS
+assert [name for names in COLUMNS.values() for name in names] == list(COLUMN_NAMES)
+assert all(getattr(BlocksChanged, n).index == i for i, n in enumerate(COLUMN_NAMES))
+
+
+def _rebuild(version: int, order: str, columns: tuple[tuple[Any, ...], ...]) -> BlocksChanged:
+    d = BlocksChanged._of(order, columns)
+    _set(d, "version", version)
+    return d
 
 
 EMPTY_DELTA = BlocksChanged()
@@ -310,32 +405,41 @@ def family_rows(d: BlocksChanged) -> dict[str, list[tuple[Any, ...]]]:
 
 
 class DeltaBuilder:
-    """Collects one transition's rows (in order), then freezes them into one delta."""
+    """Collects one transition's rows (in order), then freezes them into one delta.
 
-    __slots__ = ("appended", "cleared", "copied", "evicted", "freed", "hit", "nulled", "order",
-                 "registered", "released", "shared", "stored")
+    A primitive appends its rows to the family's list (``sink.appended``...)
+    and their codes to ``order``; a family's list is made on first use.
+    """
+
+    __slots__ = ("appended", "cleared", "copied", "evicted", "freed", "hit", "made", "nulled",
+                 "order", "registered", "released", "shared", "stored")
 
     def __init__(self) -> None:
         self.order: list[str] = []
-        self.registered: list[tuple[Any, ...]] = []
-        self.released: list[tuple[Any, ...]] = []
-        self.nulled: list[tuple[Any, ...]] = []
-        self.freed: list[tuple[Any, ...]] = []
-        self.appended: list[tuple[Any, ...]] = []
-        self.shared: list[tuple[Any, ...]] = []
-        self.copied: list[tuple[Any, ...]] = []
-        self.stored: list[tuple[Any, ...]] = []
-        self.evicted: list[tuple[Any, ...]] = []
-        self.cleared: list[tuple[Any, ...]] = []
-        self.hit: list[tuple[Any, ...]] = []
+        self.made: set[str] = set()  # the families a primitive wrote to
+
+    def __getattr__(self, family: str) -> list[tuple[Any, ...]]:
+        if family not in _FAMILY_NAMES:
+            raise AttributeError(family)
+        rows: list[tuple[Any, ...]] = []
+        object.__setattr__(self, family, rows)
+        self.made.add(family)
+        return rows
 
     def build(self) -> BlocksChanged:
         """Freeze the collected rows into one columnar record."""
         if not self.order:
             return EMPTY_DELTA
-        fields: dict[str, Any] = {"order": "".join(self.order)}
+        columns: list[tuple[Any, ...]] = []
+        made = self.made
         for code, prefix, _ in FAMILIES:
-            rows = getattr(self, prefix)
+            rows = getattr(self, prefix) if prefix in made else None
             if rows:
-                fields.update(zip(COLUMNS[code], zip(*rows, strict=True), strict=True))
-        return BlocksChanged(**fields)
+                columns.extend(zip(*rows, strict=True))
+            else:
+                columns.extend(_NONE[code])
+        return BlocksChanged._of("".join(self.order), tuple(columns))
+
+
+_FAMILY_NAMES = frozenset(prefix for _, prefix, _ in FAMILIES)
+_NONE = {code: (_EMPTY,) * len(names) for code, names in COLUMNS.items()}

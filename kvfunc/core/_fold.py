@@ -55,7 +55,7 @@ class SlotRequest(NamedTuple):
     prefix_hit: Any = None
 
 
-Lane = list[tuple[Any, int, int | None]]
+Lane = list[tuple[int, Any, int, int | None]]
 
 
 def slot_entry(request_id: Any, computed: Any, new: Any, lookahead: Any = 0, reserved: Any = 0,
@@ -72,8 +72,11 @@ def slot_entry(request_id: Any, computed: Any, new: Any, lookahead: Any = 0, res
 
 
 def quiet_lane(tr: Transient) -> Lane | None:
-    """Per group ``(rows, block_size, window - 1 or None)``; None if a policy needs the step."""
-    lane = []
+    """Per group ``(index, rows, block_size, window - 1 or None)``; None if a policy needs the step.
+
+    The transient keeps it until a group's working copy is made (its rows move).
+    """
+    lane: Lane = []
     for view in tr.views:
         policy = view.policy
         if not policy.grows_with_tokens:
@@ -81,7 +84,11 @@ def quiet_lane(tr: Transient) -> Lane | None:
         window = policy.window
         if window is None and policy.may_skip:
             return None
-        lane.append((view.rows, policy.block_size, None if window is None else window - 1))
+        lane.append((len(lane), view.rows, policy.block_size,
+                     None if window is None else window - 1))
+    tr.lane = lane
+    if not any(tr.copies):  # the state's own rows: any transient of it may reuse the lane
+        tr.src.memo["lane"] = lane
     return lane
 
 
@@ -117,6 +124,20 @@ def _negative_total(total: int, keys: frozenset[str] | None, tr: Transient) -> N
         raise InvalidArgumentError(f"num_tokens must be non-negative, got {total}")
 
 
+def _grow(tr: Transient, slot: int, request_id: int | str,
+          grows: list[tuple[int, Any, int]]) -> bool:
+    """Append the new blocks of a request that only grows, if every group has them (else False)."""
+    copies = []
+    for i, row, need in grows:
+        g = tr.copies[i] or tr.copy(i)
+        if need > g.count:
+            return False  # the step refuses it (or recycles first): let it
+        copies.append((g, row, need))
+    for g, row, need in copies:
+        g.rows[slot] = g.grow(request_id, row, need)  # the row exists: a plain rebind
+    return True
+
+
 def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] | None = None,
          lookahead: int = 0) -> list[int | str]:
     """Run the step for every entry in order on ``tr``; the refused request ids.
@@ -128,59 +149,74 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
     """
     refused: list[int | str] = []
     limit = tr.max_model_len
-    slots = tr.slots.slots
+    get_slot = tr.slots.slots.get
     caching = tr.caching
-    lane = quiet_lane(tr)
-    checked: set[int] = set()  # hash block sizes checked against every group
+    lane = tr.lane
+    if lane is None:
+        lane = quiet_lane(tr)
+    checked: set[int] | None = None  # hash block sizes checked against every group
     for e in entries:
-        if type(e) is tuple and len(e) == 3:
+        if type(e) is tuple and len(e) == 3:  # the natural form, checked inline
             rid, computed, new = e
-            if ((type(rid) is not str and type(rid) is not int) or type(computed) is not int
-                    or type(new) is not int or computed < 0 or new < 0):
+            t = type(rid)
+            if ((t is not str and t is not int) or type(computed) is not int
+                    or type(new) is not int or (computed | new) < 0):
                 _entry(e, lookahead)  # raises the precise error
             written = computed + new
             total = written + lookahead
-            reserved, keys, hashes, hit = 0, None, None, None
+            extra = None
         else:
-            rid, computed, new, la, reserved, keys, hashes, hit = _entry(e, lookahead)
+            rid, computed, new, la, reserved, keys, hashes, hit = extra = _entry(e, lookahead)
             written = computed + new
             total = written + la
-        if total < 0:
-            _negative_total(total, keys, tr)
-            total = 0
-        if computed > limit:
-            computed = limit
-        if written > limit:
-            written = limit
-        if total > limit:
-            total = limit
-        if lane is not None and not reserved and keys is None and hit is None:
-            slot = slots.get(rid)
+            if total < 0:
+                _negative_total(total, keys, tr)
+                total = 0
+        if total > limit or written > limit:
+            computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
+        if lane is not None and (extra is None or not (reserved or keys is not None
+                                                       or hit is not None)):
+            slot = get_slot(rid)
             if slot is not None:
-                for rows, bs, w1 in lane:  # the quiet lane (see the module docstring)
-                    if slot >= len(rows):
+                grows = None
+                for i, rows, bs, w1 in lane:  # the lane (see the module docstring)
+                    try:
+                        row = rows[slot]
+                    except IndexError:  # a slot past the vector: not registered here
                         break
-                    row = rows[slot]
-                    if row is None or total > row[1] * bs:
+                    if row is None:
                         break
-                    if w1 is not None and (computed - w1) // bs > row[2] < row[1]:
-                        break
+                    length = row[1]
+                    if w1 is not None and (computed - w1) // bs > row[2] < length:
+                        break  # a block slid out of the window
                     if caching and ((total and computed // bs < row[3])
                                     or (written // bs > row[4] and written // bs > row[2])):
-                        break
+                        break  # a write into a shared block, or a full block to cache
+                    if total > length * bs:  # grows by ceil(total / bs) - length blocks
+                        if not length:
+                            break  # a first allocation
+                        if grows is None:
+                            grows = []
+                        grows.append((i, row, (total + bs - 1) // bs - length))
                 else:
-                    continue
+                    if grows is None or _grow(tr, slot, rid, grows):
+                        if tr.lane is None:
+                            lane = quiet_lane(tr)  # a working copy was made: its rows moved
+                        continue
+        if extra is None:
+            reserved, keys, hashes, hit = 0, None, None, None
         if hashes is None and block_hashes is not None and caching:
             hashes = block_hashes.get(rid)
-        if hit is not None or (hashes is not None and (type(hashes) is not BlockHashes
-                                                       or hashes.block_size not in checked)):
+        if hit is not None or (hashes is not None and (
+                type(hashes) is not BlockHashes or checked is None
+                or hashes.block_size not in checked)):
             check_hashes(tr, hashes, hit is not None)  # hashes is a BlockHashes from here on
             if hit is not None:
-                check_hit(tr, rid, computed, keys, hashes, hit)  # type: ignore[arg-type]
-            checked.add(hashes.block_size)  # type: ignore[union-attr]
+                check_hit(tr, rid, computed, keys, hashes, hit)
+            checked = checked or set()
+            checked.add(hashes.block_size)
         if not step(tr, rid, computed, written, total, reserved, keys, hashes, hit):
             refused.append(rid)
-        if lane is not None and any(v.rows is not r for v, (r, _, _) in zip(tr.views, lane,
-                                                                            strict=True)):
-            lane = quiet_lane(tr)  # a group's rows became its working copy's
+        if lane is not None and tr.lane is None:
+            lane = quiet_lane(tr)  # a group's working copy was made: its rows moved
     return refused

@@ -32,14 +32,14 @@ from kvfunc.core._state import GroupState, KVState, find_group, reslot
 __all__ = ["CACHING_KIND", "GroupCopy", "Transient"]
 
 _new = tuple.__new__
+_set = object.__setattr__
 
 
 class GroupCopy:
     """The working copy of one group (see the module docstring)."""
 
     __slots__ = ("block_size", "changed", "count", "detached", "grows", "key", "may_skip",
-                 "num_rows", "owns_rows", "policy", "ring", "rows", "sink", "slots", "src",
-                 "window")
+                 "num_rows", "policy", "ring", "rows", "sink", "slots", "src", "window")
 
     caching = False
 
@@ -53,8 +53,7 @@ class GroupCopy:
         self.may_skip: bool = policy.may_skip
         self.grows: bool = policy.grows_with_tokens
         self.slots: SlotMap = group.slots
-        self.rows: Any = group.rows
-        self.owns_rows = False
+        self.rows: Any = group.rows.evolver()  # kept for the copy's life (freezing reuses it)
         self.num_rows = group.num_rows
         self.ring = RingCopy(group.free_ring, group.free_head)
         self.count = group.num_free
@@ -69,11 +68,8 @@ class GroupCopy:
         return rows[slot] if slot < len(rows) else None
 
     def put(self, slot: int, row: Row) -> None:
-        """Bind the row at ``slot`` (the vector becomes an evolver on the first write)."""
+        """Bind the row at ``slot``."""
         rows = self.rows
-        if not self.owns_rows:
-            rows = self.rows = rows.evolver()
-            self.owns_rows = True
         if slot >= len(rows):
             rows.extend([None] * (slot + 1 - len(rows)))
         if rows[slot] is None:
@@ -91,9 +87,6 @@ class GroupCopy:
     def drop(self, slot: int, request_id: int | str) -> Row:
         """Remove and return the row at ``slot`` (its blocks are the caller's to free)."""
         rows = self.rows
-        if not self.owns_rows:
-            rows = self.rows = rows.evolver()
-            self.owns_rows = True
         row: Row = rows[slot]
         rows[slot] = None
         self.num_rows -= 1
@@ -158,15 +151,23 @@ class GroupCopy:
         self.release(row.ids[upto - 1:lo - 1 if lo else None:-1])
         return new
 
-    def append(self, request_id: int | str, row: Row, ids: Sequence[int], nulls: int = 0) -> Row:
-        """Append ``nulls`` null entries, then the taken blocks ``ids``, to ``row``."""
+    def grow(self, request_id: int | str, row: Row, need: int, nulls: int = 0) -> Row:
+        """Append ``nulls`` null entries, then ``need`` blocks taken from the free queue."""
+        ids = self.take(need) if need else []
         sink = self.sink
         if sink is not None:
             key = self.key
-            rows = [(key, request_id, 0)] * nulls
-            rows.extend([(key, request_id, b) for b in ids])
-            sink.appended.extend(rows)
-            sink.order.append("A" * len(rows))
+            if nulls:
+                rows = [(key, request_id, 0)] * nulls
+                rows.extend([(key, request_id, b) for b in ids])
+                sink.appended.extend(rows)
+                sink.order.append("A" * len(rows))
+            elif need == 1:  # the common decode step
+                sink.appended.append((key, request_id, ids[0]))
+                sink.order.append("A")
+            else:
+                sink.appended.extend([(key, request_id, b) for b in ids])
+                sink.order.append("A" * need)
         return extend_row(row, ids, nulls)
 
     # -- freezing -------------------------------------------------------------------
@@ -174,12 +175,9 @@ class GroupCopy:
         """The group as an immutable value; the working copies become shared again."""
         if not self.changed:
             return self.src
-        rows = self.rows
-        if self.owns_rows:
-            rows = self.rows = rows.persistent()
-            self.owns_rows = False
         ring = self.ring
-        self.src = GroupState(self.key, self.policy, rows, self.num_rows, self.slots,
+        self.src = GroupState(self.key, self.policy, self.rows.persistent(), self.num_rows,
+                              self.slots,
                               ring.frozen(), ring.head, self.count, self.detached,
                               self._frozen_cache())
         self.changed = False
@@ -200,7 +198,7 @@ class Transient:
     :meth:`copy` makes its working copy.
     """
 
-    __slots__ = ("caching", "copies", "max_model_len", "sink", "src", "views")
+    __slots__ = ("caching", "copies", "lane", "max_model_len", "sink", "slots", "src", "views")
 
     def __init__(self, state: KVState, sink: DeltaBuilder | None = None) -> None:
         self.src = state
@@ -210,11 +208,8 @@ class Transient:
         self.caching = bool(groups) and groups[0].cache is not None
         self.views: list[Any] = list(groups)
         self.copies: list[GroupCopy | None] = [None] * len(groups)
-
-    @property
-    def slots(self) -> SlotMap:
-        """The lineage's slot map (shared by every group)."""
-        return self.views[0].slots  # type: ignore[no-any-return]
+        self.slots: SlotMap = groups[0].slots if groups else SlotMap()
+        self.lane: Any = state.memo.get("lane")  # the fold's lane over the state's rows
 
     def copy(self, i: int) -> GroupCopy:
         """The working copy of group ``i`` (made on first use)."""
@@ -222,6 +217,7 @@ class Transient:
         if g is None:
             kind = CACHING_KIND[0] if self.caching else GroupCopy
             g = self.copies[i] = self.views[i] = kind(self.views[i], self.sink)
+            self.lane = None  # it reads this group's rows from the copy from now on
         return g
 
     def all_copies(self) -> list[GroupCopy]:
@@ -236,21 +232,31 @@ class Transient:
     def freeze(self) -> KVState:
         """The current state as a value (the input state when nothing changed)."""
         src = self.src
-        groups = tuple(g.freeze() if g is not None else v
-                       for g, v in zip(self.copies, self.views, strict=True))
-        if all(a is b for a, b in zip(groups, src.groups, strict=True)):
+        changed = False
+        frozen: list[GroupState] = []
+        for copy, before in zip(self.copies, src.groups, strict=True):
+            after = before if copy is None else copy.freeze()
+            changed = changed or after is not before
+            frozen.append(after)
+        if not changed:
             return src
-        slots = groups[0].slots
-        live = max(g.num_rows for g in groups)
-        if len(slots) > 2 * live + 64:  # mostly ids of finished requests: start a fresh map
+        groups = tuple(frozen)
+        live = 0
+        for group in groups:
+            live = group.num_rows if group.num_rows > live else live
+        if len(self.slots) > 2 * live + 64:  # mostly ids of finished requests: a fresh map
             groups = reslot(groups)
-            for i, g in enumerate(groups):  # the copies now edit the fresh rows
+            for i, group in enumerate(groups):  # the copies now edit the fresh rows
                 copy = self.copies[i]
                 if copy is not None:
-                    copy.src, copy.rows, copy.slots = g, g.rows, g.slots
+                    copy.src, copy.rows, copy.slots = group, group.rows.evolver(), group.slots
                 else:
-                    self.views[i] = g
-        self.src = KVState(self.max_model_len, groups)
-        return self.src
+                    self.views[i] = group
+            self.slots, self.lane = groups[0].slots, None
+        self.src = state = object.__new__(KVState)  # its groups share one slot map: no check
+        _set(state, "max_model_len", self.max_model_len)
+        _set(state, "groups", groups)
+        _set(state, "memo", {})
+        return state
 
 

@@ -79,7 +79,11 @@ class RingCopy:
         h, cap = self.head, self.cap
         index, off = divmod(h, FREE_CHUNK)
         if off + n <= FREE_CHUNK:  # the common case: one chunk
-            out = list(self.chunk(index)[off:off + n])
+            dirty = self.dirty
+            chunk: Any = dirty.get(index) if dirty is not None else None
+            if chunk is None:
+                chunk = self.ring[index]
+            out = list(chunk[off:off + n])
             h += n
         else:
             out = []

@@ -92,6 +92,15 @@ def extend_row(row: Row, blocks: Sequence[int], nulls: int = 0) -> Row:
             raise InvalidArgumentError("null entries only ever form a prefix of a table")
         added = [NULL] * nulls
         added.extend(blocks)
+    elif len(blocks) == 1:  # the common decode step: one block
+        b = blocks[0]
+        if len(ids) == n:
+            ids.append(b)
+            if ids[n] != b:  # another row of the lineage went on first
+                ids = ids[:n] + [b]
+        else:
+            ids = ids[:n] + [b]
+        return _new(Row, (ids, n + 1, row.nulls, row.shared, row.stored))
     else:
         added = blocks if type(blocks) is list else list(blocks)
     k = len(added)

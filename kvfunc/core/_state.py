@@ -240,6 +240,8 @@ class KVState:
 
     max_model_len: int
     groups: tuple[GroupState, ...]
+    #: derived data that transitions cache on a state (it is immutable, so it stays true)
+    memo: dict[str, Any] = attrs.field(init=False, factory=dict, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         groups = self.groups

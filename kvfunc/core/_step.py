@@ -134,7 +134,7 @@ def apply_plan(g: GroupCopy, slot: int, request_id: int | str, plan: Plan) -> Ro
     if plan.upto > row.nulls:
         row = g.recycle(request_id, row, plan.upto)
     if plan.need or plan.nulls:
-        row = g.append(request_id, row, g.take(plan.need) if plan.need else (), plan.nulls)
+        row = g.grow(request_id, row, plan.need, plan.nulls)
     if plan.src:
         sink = g.sink
         if sink is not None:  # the saved state seeds the block just appended
@@ -166,11 +166,13 @@ def step(tr: Transient, request_id: int | str, computed: int, written: int, tota
     """
     slot = tr.slots.slot_of(request_id)
     plans: list[tuple[GroupCopy, Plan | None]] = []
-    for i in range(len(tr.views)):
-        g = tr.copy(i)
+    copies = tr.copies
+    for i in range(len(copies)):
+        g = copies[i] or tr.copy(i)
         if keys is not None and g.key not in keys:
             continue
-        row = g.row(slot)
+        rows = g.rows
+        row = rows[slot] if slot < len(rows) else None
         plan = plan_group(g, row, computed, total, reserved, hit, hashes)
         if plan is False:
             return False
