@@ -17,7 +17,7 @@ from typing import Any
 
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from kvfunc.core._errors import LLMError, LLMStatusCode
+from kvfunc.core import LLMError, LLMStatusCode
 from kvfunc.datadist import _transfer
 from kvfunc.datadist._backends import Endpoint, TorchEndpoint, create_process_group
 from kvfunc.datadist._cache_manager import CacheManager
@@ -38,7 +38,7 @@ from kvfunc.datadist._types import (
     Placement,
     check_id,
 )
-from kvfunc.shell._device import resolve_device
+from kvfunc.shell import resolve_device
 
 __all__ = ["MAX_CLUSTERS_PER_CALL", "LLMDataDist"]
 

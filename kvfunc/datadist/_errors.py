@@ -12,7 +12,7 @@ Pure: no torch.
 
 from __future__ import annotations
 
-from kvfunc.core._errors import LLMError, LLMStatusCode
+from kvfunc.core import LLMError, LLMStatusCode
 
 __all__ = [
     "AlreadyLinkedError",

@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvfunc.core._errors import LLMError
+from kvfunc.core import LLMError
 from kvfunc.datadist._backends import TAG_SPACE, Endpoint
 from kvfunc.datadist._channel import QueueReader, StoreChannel, start_store_server
 from kvfunc.datadist._errors import (

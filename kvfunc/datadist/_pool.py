@@ -15,8 +15,7 @@ import torch
 from kvfunc.datadist._errors import InvalidParamError
 from kvfunc.datadist._registry import CacheRecord
 from kvfunc.datadist._types import CacheDesc, Placement, PoolConfig
-from kvfunc.shell._device import resolve_device, torch_dtype
-from kvfunc.shell._tensors import empty_aligned
+from kvfunc.shell import empty_aligned, resolve_device, torch_dtype
 
 __all__ = ["Cache", "MemoryPool"]
 

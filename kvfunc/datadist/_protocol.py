@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvfunc.core._errors import LLMError, LLMStatusCode
+from kvfunc.core import LLMError, LLMStatusCode
 from kvfunc.datadist._errors import InvalidParamError, error_for
 from kvfunc.datadist._types import MAX_ID, BlocksCacheKey, CacheKey
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvfunc.core._errors import LLMError
+from kvfunc.core import LLMError
 from kvfunc.datadist._backends import Incoming
 from kvfunc.datadist._errors import (
     InvalidParamError,

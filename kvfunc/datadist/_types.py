@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from kvfunc.core._dtypes import dtype_itemsize
+from kvfunc.core import dtype_itemsize
 from kvfunc.datadist._errors import InvalidParamError
 
 __all__ = [
