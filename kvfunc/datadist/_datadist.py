@@ -3,7 +3,8 @@
 A PROMPT cluster usually listens (``llm.listenIpInfo``) and DECODER
 clusters link to it; either role may listen or link, but a link always
 joins a PROMPT and a DECODER cluster.  One transport per cluster
-(``llm.TransferBackend``): a ``torch.distributed`` process group per link
+(``llm.TransferBackend``): the link's own TCP connection (``tcp``, the
+default for host memory), a ``torch.distributed`` process group per link
 (gloo, nccl, hccl) or the Mooncake transfer engine.
 """
 
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch.distributed import DistError
 
 from kvfunc.core import LLMError, LLMStatusCode
 from kvfunc.datadist import _transfer
@@ -31,6 +33,7 @@ from kvfunc.datadist._errors import (
 from kvfunc.datadist._link import ROOT, Acceptor, Link, LinkContext, connect
 from kvfunc.datadist._pool import MemoryPool
 from kvfunc.datadist._registry import RegistryState
+from kvfunc.datadist._tcp import TcpEndpoint
 from kvfunc.datadist._types import (
     ClusterInfo,
     DataDistOptions,
@@ -43,7 +46,7 @@ from kvfunc.shell import resolve_device
 __all__ = ["MAX_CLUSTERS_PER_CALL", "LLMDataDist"]
 
 MAX_CLUSTERS_PER_CALL = 16
-_DEFAULT_TRANSPORT = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_DEFAULT_TRANSPORT = {"cpu": "tcp", "cuda": "nccl", "npu": "hccl"}
 
 
 class LLMDataDist:
@@ -70,7 +73,7 @@ class LLMDataDist:
         self.role, self.cluster_id = role, cluster_id
         self.options = opts = DataDistOptions.from_mapping(options)
         self.device = resolve_device(opts.device)
-        self.transport = opts.transport or _DEFAULT_TRANSPORT.get(self.device.type, "gloo")
+        self.transport = opts.transport or _DEFAULT_TRANSPORT.get(self.device.type, "tcp")
         configs = {p: c for p, c in ((Placement.DEVICE, opts.device_pool),
                                      (Placement.HOST, opts.host_pool)) if c is not None}
         self._pool = MemoryPool(configs, self.device)
@@ -120,8 +123,13 @@ class LLMDataDist:
             if session is None:
                 raise LinkFailedError("the peer announced no Mooncake session")
             return MooncakeEndpoint(self._engine, session)
-        store = TCPStore(link.host, link.port, is_master=False,
-                         timeout=datetime.timedelta(seconds=self._timeout_s))
+        if self.transport == "tcp":
+            return TcpEndpoint(link.channel)
+        try:
+            store = TCPStore(link.host, link.store_port, is_master=False,
+                             timeout=datetime.timedelta(seconds=self._timeout_s))
+        except (DistError, RuntimeError) as exc:
+            raise LinkFailedError(f"cannot reach the rendezvous store: {exc}") from None
         prefix = PrefixStore(f"{ROOT}/link/{link.link_id}/pg", store)
         group = create_process_group(self.transport, prefix, link.rank, self._timeout_s)
         return TorchEndpoint(group, self.transport, link.rank, self.device)
@@ -226,6 +234,7 @@ class LLMDataDist:
         for link in links:
             link.close(notify_peer=True, wait=True)
         for link in self._retired:
+            link.close(notify_peer=False)
             link.join()
         if self._acceptor is not None:
             self._acceptor.close()

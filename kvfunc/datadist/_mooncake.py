@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvfunc.datadist._backends import Endpoint, Incoming, Outgoing
+from kvfunc.datadist._backends import Endpoint, Incoming, Outgoing, StagedIncoming
 from kvfunc.datadist._errors import (
     FeatureNotEnabledError,
     InvalidParamError,
@@ -80,7 +80,7 @@ class _Outgoing(Outgoing):
         """Nothing to do: the receiver's acknowledgement says when it has read."""
 
 
-class _Incoming(Incoming):
+class _Incoming(StagedIncoming):
     def __init__(self, engine: MooncakeEngine, session: str, tensors: Sequence[torch.Tensor],
                  rows: Sequence[int], descriptor: dict[str, Any]) -> None:
         super().__init__(tensors, rows, torch.device("cpu"))
@@ -160,10 +160,11 @@ class _Incoming(Incoming):
             self.released = True
         self.engine.unregister(self.buffer)
 
-    def abandon(self) -> None:
+    def abandon(self) -> bool:
         with self.lock:
             self.closing = True
         self._release()
+        return True  # a late read lands in the staging buffer
 
 
 class MooncakeEndpoint(Endpoint):

@@ -55,6 +55,7 @@ from kvfunc.datadist._backends import Incoming
 from kvfunc.datadist._errors import (
     InvalidParamError,
     LinkFailedError,
+    PeerProtocolError,
     TransferTimeoutError,
 )
 from kvfunc.datadist._link import Link, log
@@ -68,7 +69,7 @@ from kvfunc.datadist._protocol import (
     key_to_json,
     raise_if_error,
 )
-from kvfunc.datadist._types import BlocksCacheKey, CacheDesc, CacheKey
+from kvfunc.datadist._types import BlocksCacheKey, CacheDesc, CacheKey, LLMRole
 
 if TYPE_CHECKING:
     from kvfunc.datadist._cache_manager import CacheManager
@@ -123,10 +124,23 @@ class _Once:
             action()
 
 
-def _broken(link: Link, exc: LLMError, what: str) -> TransferTimeoutError:
+def _broken(link: Link, exc: LLMError, what: str) -> LLMError:
+    """Break the link; the caller's error: the peer's protocol violation as it is
+    (``LLM_LINK_FAILED``), any other failure as a timeout (``LLM_WAIT_PROCESS_TIMEOUT``)."""
     link.mark_broken(f"{what}: {exc}")
+    if isinstance(exc, PeerProtocolError):
+        return PeerProtocolError(f"{what} with cluster {link.peer_cluster_id} failed: {exc}")
     return TransferTimeoutError(f"{what} with cluster {link.peer_cluster_id} did not finish "
                                 f"in time: {exc}")
+
+
+def _release_when_settled(manager: CacheManager, incoming: Incoming | None, cache_id: int
+                          ) -> None:
+    """Unpin a destination cache unless an abandoned transfer may still write it."""
+    if incoming is None or incoming.abandon():
+        manager._unpin(cache_id)
+    else:  # kept pinned: its memory must not go to another cache while data may land
+        log.error("cache %d stays pinned: an abandoned transfer may still write it", cache_id)
 
 
 def _put_quietly(link: Link, key: str, message: dict[str, Any]) -> None:
@@ -142,20 +156,20 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
     deadline = _Deadline(timeout_s)
     desc = dst.cache_desc
     one_layer = [list(range(desc.num_tensors))]
+    transport = link.transport
     incoming: Incoming | None = None
     manager._pin(dst.cache_id)
     try:
         try:
             tid = link.new_tid(desc.num_tensors)
-            if link.transport.posts_early:  # the data flows as soon as the sender has it
-                incoming = link.transport.incoming(dst.tensors, dst_rows, tid, one_layer, None)
+            if transport.posts_early:  # the data flows as soon as the sender has it
+                incoming = transport.incoming(dst.tensors, dst_rows, tid, one_layer, None)
             link.post({"op": "pull", "tid": tid, "key": key_to_json(key), "src_rows": src_rows,
                        "n_rows": len(dst_rows), "desc": desc.to_json(),
-                       "posted": None if incoming is None else list(incoming.starts)})
+                       "posted": list(incoming.starts) if incoming is not None and
+                       transport.drains else None})
             accept = link.channel.take(f"x/{tid}/accept", deadline.left())
         except (TransferTimeoutError, LinkFailedError) as exc:
-            if incoming is not None:
-                incoming.abandon()
             raise _broken(link, exc, "pull") from None
         try:
             descriptor = raise_if_error(accept).get("sender")
@@ -166,18 +180,18 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
             if incoming is not None:  # give the posted receives back (a refusing peer
                 # drained them; an accept this side rejects still sends: it is discarded)
                 _cancel(link, incoming, deadline)
+                incoming = None
             raise
         if incoming is None:
-            incoming = link.transport.incoming(dst.tensors, dst_rows, tid, one_layer,
-                                               descriptor)
+            incoming = transport.incoming(dst.tensors, dst_rows, tid, one_layer, descriptor)
         try:
             for i in range(desc.num_tensors):  # place tensor i while later ones arrive
                 incoming.receive([i], deadline.left())
         except (TransferTimeoutError, LinkFailedError) as exc:
-            incoming.abandon()
             if ack:
                 _put_quietly(link, f"x/{tid}/ack", {"ok": False})
             raise _broken(link, exc, "pull") from None
+        incoming = None  # all in place: nothing of it writes the rows any more
         if not ack:  # the prompt side unpinned before its last message left
             return
         try:  # returns once the prompt side released the key and its pin
@@ -186,14 +200,14 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
         except (TransferTimeoutError, LinkFailedError) as exc:
             raise _broken(link, exc, "pull") from None
     finally:
-        manager._unpin(dst.cache_id)
+        _release_when_settled(manager, incoming, dst.cache_id)
 
 
 def _cancel(link: Link, incoming: Incoming, deadline: _Deadline) -> None:
     """Take back the receives posted for a transfer the peer refused (and drained)."""
     try:
         incoming.cancel(deadline.left())
-    except TransferTimeoutError as exc:
+    except (TransferTimeoutError, LinkFailedError) as exc:
         _broken(link, exc, "pull")  # the refusal's own error is what the caller sees
 
 
@@ -202,10 +216,10 @@ def _posted(link: Link, tid: int, message: dict[str, Any]) -> list[int] | None:
     if message.get("posted") is None:
         return None
     starts = get_ints(message, "posted", _MAX_MESSAGES, _MAX_MESSAGES)
-    if not link.transport.posts_early or starts[:1] != [0] or \
+    if not link.transport.drains or starts[:1] != [0] or \
             any(b <= a for a, b in itertools.pairwise(starts)):
         raise InvalidParamError(f"posted messages {starts!r:.80} must start at 0 and "
-                                "increase, on a transport that posts receives early")
+                                "increase, on a transport that drains refused pulls")
     link.check_peer_tid(tid, starts[-1] + 1)
     return starts
 
@@ -226,6 +240,7 @@ def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
     timeout_s = manager._timeout_s
     pinned: Cache | None = None
     try:
+        _check_role(manager, LLMRole.PROMPT, "pull")
         key = key_from_json(message.get("key"))
         peer_desc = CacheDesc.from_json(message.get("desc") or {})
         n_rows = get_int(message, "n_rows", 1, peer_desc.num_rows)
@@ -369,6 +384,7 @@ def _serve_push(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
     timeout_s = manager._timeout_s
     pinned: Cache | None = None
     try:
+        _check_role(manager, LLMRole.DECODER, "push")
         peer_desc = CacheDesc.from_json(message.get("desc") or {})
         pinned = manager._pin_id(get_int(message, "cache_id"))
         local = pinned.cache_desc
@@ -391,26 +407,34 @@ def _serve_push(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
         _put_quietly(link, f"x/{tid}/accept", error_reply(exc))
         return
     done: dict[str, Any] | None = {"ok": True}
+    pending: Incoming | None = incoming
     try:
         link.channel.put(f"x/{tid}/accept", {"ok": True})
         for i, layer in enumerate(layers):
             raise_if_error(link.channel.take(f"x/{tid}/ready/{i}", timeout_s))
             incoming.receive(layer, timeout_s)
+        pending = None
     except (TransferTimeoutError, LinkFailedError) as exc:
-        incoming.abandon()
         link.mark_broken(f"receiving a push: {exc}")
         done = error_reply(exc)
     except LLMError as exc:  # the sender aborted: its layer wait failed
-        incoming.abandon()
         log.info("push %d from cluster %d aborted: %s", tid, link.peer_cluster_id, exc)
         done = None
     finally:  # before the sender hears the outcome: a finished push holds no pin here
-        manager._unpin(pinned.cache_id)
+        _release_when_settled(manager, pending, pinned.cache_id)
     if done is not None:
         try:
             link.channel.put(f"x/{tid}/done", done)
         except LinkFailedError as exc:
             link.mark_broken(f"replying to a push: {exc}")
+
+
+def _check_role(manager: CacheManager, role: LLMRole, what: str) -> None:
+    """A peer's request is served only by the role that serves it (a DECODER never serves
+    a pull, a PROMPT never takes a push)."""
+    if manager.role is not role:
+        raise InvalidParamError(f"a {what} is served by a {role.name} cluster; this one is "
+                                f"{manager.role.name}")
 
 
 def dispatch(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:

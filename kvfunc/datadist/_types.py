@@ -307,7 +307,7 @@ class PoolConfig:
             raise InvalidParamError(f"malformed pool config {value!r}: {exc}") from None
 
 
-_TRANSPORTS = ("gloo", "nccl", "hccl", "mooncake")
+_TRANSPORTS = ("tcp", "gloo", "nccl", "hccl", "mooncake")
 _KNOWN_OPTIONS = ("llm.MemPoolConfig", "llm.HostMemPoolConfig", "llm.listenIpInfo",
                   "llm.SyncKvCacheWaitTime", "llm.TransferBackend", "llm.Device")
 
@@ -336,9 +336,9 @@ class DataDistOptions:
     Keys: ``llm.MemPoolConfig`` / ``llm.HostMemPoolConfig`` (pool configs,
     see :class:`PoolConfig`), ``llm.listenIpInfo`` (``"ip:port"``; port 0
     picks a free one), ``llm.SyncKvCacheWaitTime`` (ms a transfer may take,
-    default 5000), ``llm.TransferBackend`` (``gloo``, ``nccl``, ``hccl`` or
-    ``mooncake``; default from the device), ``llm.Device`` (the device
-    pool's device, default ``"auto"``).
+    default 5000), ``llm.TransferBackend`` (``tcp``, ``gloo``, ``nccl``,
+    ``hccl`` or ``mooncake``; default from the device: ``tcp`` on the CPU),
+    ``llm.Device`` (the device pool's device, default ``"auto"``).
 
     >>> o = DataDistOptions.from_mapping({"llm.MemPoolConfig": '{"memory_size": 4096}',
     ...                                   "llm.listenIpInfo": "127.0.0.1:0"})
