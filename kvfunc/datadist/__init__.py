@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvfunc.core import LLMError, LLMStatusCode
 from kvfunc.datadist._errors import (
     AlreadyLinkedError,
     CacheNotExistError,
@@ -118,7 +119,9 @@ __all__ = [
     "FeatureNotEnabledError",
     "InvalidParamError",
     "LLMDataDist",
+    "LLMError",
     "LLMRole",
+    "LLMStatusCode",
     "LayerSynchronizer",
     "LinkFailedError",
     "MemoryPool",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -271,3 +272,40 @@ def test_stalled_or_killed_peer_times_out_without_leaking_and_relink_retry_works
         peer.close()
         if replacement is not None:
             replacement.close()
+
+
+def test_a_frozen_prompt_cluster_bounds_every_wait_and_relink_retry_works() -> None:
+    """A stopped prompt process (SIGSTOP; a partition looks the same): a pull ends with
+    LLM_WAIT_PROCESS_TIMEOUT and a new link with LLM_LINK_FAILED, each within the
+    timeout, with nothing pinned or leaked; once the peer resumes, unlink + link + retry
+    brings the right blocks and the peer holds no pin."""
+    opts = options(**{"llm.listenIpInfo": "127.0.0.1:0", "llm.SyncKvCacheWaitTime": 1500})
+    peer = PeerProcess("PROMPT", 0, opts)
+    d = dd.LLMDataDist(dd.LLMRole.DECODER, 1, opts | {"llm.listenIpInfo": None})
+    other = dd.LLMDataDist(dd.LLMRole.DECODER, 2, opts | {"llm.listenIpInfo": None})
+    try:
+        assert [CODE.LLM_SUCCESS] == d.link_clusters([dd.ClusterInfo(0, *peer.address)])[1]
+        peer.ok("alloc", desc=BLOCKS.to_json(), blocks=True, model_id=0, fill=9)
+        cm = d.cache_manager
+        dst = zeros(cm, BLOCKS)
+        used = cm.state.used_bytes()
+        peer.signal(signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(dd.TransferTimeoutError) as info:
+            cm.pull_blocks(dd.BlocksCacheKey(0, 0), dst, [1, 2], [3, 4])
+        assert CODE.LLM_WAIT_PROCESS_TIMEOUT == info.value.status_code
+        assert time.monotonic() - start < 1.5 + 0.5
+        assert (0, used) == (cm.state.caches[dst.cache_id].pins, cm.state.used_bytes())
+        assert 0 == sum(int(t.count_nonzero()) for t in dst.tensors)
+        start = time.monotonic()
+        assert [CODE.LLM_LINK_FAILED] == other.link_clusters(
+            [dd.ClusterInfo(0, *peer.address)], timeout=1500)[1]
+        assert time.monotonic() - start < 1.5 + 0.5
+        peer.signal(signal.SIGCONT)
+        relink_and_retry(d, peer, dst, 9)
+        assert wait_until(lambda: peer.ok("state")["pins"] == 0)
+    finally:
+        peer.signal(signal.SIGCONT)
+        other.finalize()
+        d.finalize()
+        peer.close()
