@@ -21,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvfunc.core import LLMError, LLMStatusCode
+from kvfunc.datadist._config import DataDistOptions, LLMClusterInfo, LLMConfig
 from kvfunc.datadist._errors import (
     AlreadyLinkedError,
     CacheNotExistError,
@@ -55,7 +56,6 @@ from kvfunc.datadist._types import (
     CacheKey,
     CacheKeyByIdAndIndex,
     ClusterInfo,
-    DataDistOptions,
     DataType,
     LLMRole,
     Placement,
@@ -118,6 +118,8 @@ __all__ = [
     "DataType",
     "FeatureNotEnabledError",
     "InvalidParamError",
+    "LLMClusterInfo",
+    "LLMConfig",
     "LLMDataDist",
     "LLMError",
     "LLMRole",

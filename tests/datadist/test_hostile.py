@@ -143,8 +143,8 @@ def test_a_push_with_the_wrong_amount_of_data_breaks_the_link_and_writes_nothing
     before = snapshot(cm, dst)
     tid = hostile.link.new_tid(4)
     hostile.post({"op": "push", "tid": tid, "cache_id": dst.cache_id, "rows": [3, 4],
-                  "blocks": True, "desc": BLOCKS.to_json(), "layers": [[0, 1, 2, 3]],
-                  "sender": {}})
+                  "tensors": [0, 1, 2, 3], "blocks": True, "desc": BLOCKS.to_json(),
+                  "layers": [[0, 1, 2, 3]], "sender": {}})
     assert {"ok": True} == hostile.link.channel.take(f"x/{tid}/accept", TIMEOUT_S)
     hostile.data(tid, 0, b"\x7f" * 4 * ROW * payload_rows)
     assert wait_for(lambda: victim._links[0].broken is not None)
@@ -167,8 +167,8 @@ def test_a_push_that_stops_mid_frame_times_out_and_writes_only_offered_rows(
     before = snapshot(cm, dst)
     tid = hostile.link.new_tid(4)
     hostile.post({"op": "push", "tid": tid, "cache_id": dst.cache_id, "rows": [3, 4],
-                  "blocks": True, "desc": BLOCKS.to_json(), "layers": [[0, 1, 2, 3]],
-                  "sender": {}})
+                  "tensors": [0, 1, 2, 3], "blocks": True, "desc": BLOCKS.to_json(),
+                  "layers": [[0, 1, 2, 3]], "sender": {}})
     assert {"ok": True} == hostile.link.channel.take(f"x/{tid}/accept", TIMEOUT_S)
     start = time.monotonic()
     hostile.data(tid, 0, b"\x7f" * 4 * ROW, claimed=8 * ROW)
@@ -191,6 +191,7 @@ def test_a_request_in_the_wrong_direction_is_refused(request: pytest.FixtureRequ
     tid = hostile.link.new_tid(4)
     request = {"op": op, "tid": tid, "desc": BLOCKS.to_json(), "layers": [[0, 1, 2, 3]],
                "sender": {}, "cache_id": target.cache_id, "rows": [3, 4], "blocks": True,
+               "tensors": [0, 1, 2, 3],
                "key": {"kind": "blocks", "prompt_cluster_id": 1, "model_id": 0},
                "src_rows": [3, 4], "n_rows": 2, "posted": None}
     hostile.post(request)
@@ -225,8 +226,8 @@ def test_a_100000_deep_message_breaks_the_link_and_wakes_its_waiters_at_once(
 def _many_pushes(h: Hostile, cache_id: int) -> None:
     for _ in range(MAX_REQUESTS + 1):  # each waits for its first layer: all stay in flight
         h.post({"op": "push", "tid": h.link.new_tid(4), "cache_id": cache_id, "rows": [0],
-                "blocks": True, "desc": BLOCKS.to_json(), "layers": [[0, 1, 2, 3]],
-                "sender": {}})
+                "tensors": [0, 1, 2, 3], "blocks": True, "desc": BLOCKS.to_json(),
+                "layers": [[0, 1, 2, 3]], "sender": {}})
 
 
 VIOLATIONS: dict[str, Callable[[Hostile, int], None]] = {
