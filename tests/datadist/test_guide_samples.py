@@ -14,6 +14,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -29,20 +31,36 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def listening(port: int, proc: subprocess.Popen[str], timeout: float = 60.0) -> bool:
+    """Whether ``proc`` listens on ``port`` within ``timeout`` (polled every 50 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            threading.Event().wait(0.05)
+    return False
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("sample", ["cache", "blocks"])
 def test_guide_sample_runs_unchanged_and_moves_the_right_data(tmp_path: Path, sample: str,
                                                               mode: str) -> None:
     """Both sides of the sample exit 0: every check of what arrived passed, and both ends
     released what they allocated, unlinked and finalized."""
-    env = dict(os.environ, GUIDE_PORT=str(free_port()), GUIDE_DIR=str(tmp_path),
+    port = free_port()
+    env = dict(os.environ, GUIDE_PORT=str(port), GUIDE_DIR=str(tmp_path),
                GUIDE_MODE=mode, PYTHONPATH=os.pathsep.join([str(GUIDE), *sys.path]))
-    procs = {side: subprocess.Popen([sys.executable, str(GUIDE / f"{sample}_{side}.py")],
-                                    env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-             for side in ("prompt", "decoder")}
+    procs: dict[str, subprocess.Popen[str]] = {}
     outputs = {}
     try:
+        for side in ("prompt", "decoder"):  # the decoder links once the prompt side listens
+            procs[side] = subprocess.Popen([sys.executable, str(GUIDE / f"{sample}_{side}.py")],
+                                           env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True)
+            if side == "prompt":
+                assert listening(port, procs[side]), procs[side].communicate(timeout=30)[0]
         for side, proc in procs.items():
             outputs[side] = proc.communicate(timeout=120)[0]
     finally:
