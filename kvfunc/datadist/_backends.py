@@ -9,8 +9,8 @@ position) of the receiver's.  Both sides build their half from an
   receiver needs to know) and ``send(indices)`` starts moving tensors;
 * the receiver's :class:`Incoming` is built from that descriptor and
   ``receive(indices, timeout_s)`` returns once those tensors' rows are in
-  place; ``abandon()`` gives a transfer up and says whether anything of it
-  can still write the destination rows.
+  place; ``abandon(on_settled)`` gives a transfer up and runs ``on_settled``
+  once nothing of it can write the destination rows any more.
 
 Three transports implement it: ``tcp`` (:mod:`._tcp`, the default on host
 memory: the link's own connection, straight into the rows), Mooncake
@@ -178,15 +178,21 @@ class Incoming(abc.ABC):
     """
 
     starts: Sequence[int] = ()
+    tensors: list[torch.Tensor]
 
     @abc.abstractmethod
     def receive(self, indices: Sequence[int], timeout_s: float) -> None:
         """Return once tensors ``indices`` are in their rows, or raise
         :class:`TransferTimeoutError` / :class:`LinkFailedError`."""
 
+    def receive_all(self, timeout_s: float) -> None:
+        """Return once every tensor is in its rows (see :meth:`receive`)."""
+        self.receive(range(len(self.tensors)), timeout_s)
+
     @abc.abstractmethod
-    def abandon(self) -> bool:
-        """Give up; True once nothing of this transfer can write its destination rows."""
+    def abandon(self, on_settled: Callable[[], None]) -> None:
+        """Give up; ``on_settled`` runs (now or later) once nothing of this transfer can
+        write its destination rows any more, and never if that cannot be known."""
 
     def cancel(self, timeout_s: float) -> None:
         """The sender refused the transfer: take back what was posted for it.
@@ -195,7 +201,7 @@ class Incoming(abc.ABC):
             TransferTimeoutError: what was posted could not be taken back in
                 ``timeout_s`` (the transfer is abandoned).
         """
-        self.abandon()
+        self.abandon(lambda: None)
 
 
 class StagedIncoming(Incoming):
@@ -213,6 +219,12 @@ class StagedIncoming(Incoming):
             torch.empty(shape, dtype=first.dtype, device=staging_device)
         self.staging = list(self.buffer)
         self.placed: set[int] = set()
+
+    def receive_all(self, timeout_s: float) -> None:
+        """Place tensor ``i`` while later ones still arrive."""
+        deadline = time.monotonic() + timeout_s
+        for i in range(len(self.tensors)):
+            self.receive([i], deadline - time.monotonic())
 
     def place(self, i: int) -> None:
         """Copy tensor ``i``'s staged rows into its destination rows."""
@@ -420,15 +432,15 @@ class _TorchIncoming(StagedIncoming):
         for i in indices:
             self.place(i)
 
-    def abandon(self) -> bool:
+    def abandon(self, on_settled: Callable[[], None]) -> None:
         self.endpoint.abandoned.append((self.works, self.buffer))  # late data lands there
-        return True
+        on_settled()
 
     def cancel(self, timeout_s: float) -> None:
         try:
             self._arrive(self.works.values(), timeout_s, "draining")
         except TransferTimeoutError:
-            self.abandon()
+            self.abandon(lambda: None)
             raise
         if self.buffers is not None:
             self.buffers.give(self.buffer)  # the drain wrote nothing; nothing will

@@ -27,7 +27,7 @@ device transport (nccl, hccl) instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -104,14 +104,16 @@ class _Outgoing(Outgoing):
 class _Incoming(Incoming):
     def __init__(self, conn: Connection, tensors: Sequence[torch.Tensor], rows: Sequence[int],
                  tag: int, layers: Sequence[Sequence[int]]) -> None:
+        self.tensors = list(tensors)
         self.frame_of = {i: j for j, layer in enumerate(layers) for i in layer}
         self.posted = conn.expect(tag, _frames(tensors, rows, layers))
 
     def receive(self, indices: Sequence[int], timeout_s: float) -> None:
         self.posted.wait(max(self.frame_of[i] for i in indices), timeout_s)
 
-    def abandon(self) -> bool:
-        return self.posted.abandon()
+    def abandon(self, on_settled: Callable[[], None]) -> None:
+        if self.posted.abandon():
+            on_settled()
 
 
 class TcpEndpoint(Endpoint):

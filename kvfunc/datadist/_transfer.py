@@ -144,12 +144,13 @@ def broken(link: Link, exc: LLMError, what: str) -> LLMError:
 
 
 def release_when_settled(manager: CacheManager, incoming: Incoming | None, cache_id: int
-                          ) -> None:
-    """Unpin a destination cache unless an abandoned transfer may still write it."""
-    if incoming is None or incoming.abandon():
+                         ) -> None:
+    """Unpin a destination cache once nothing of an abandoned transfer can write it (at
+    once when ``incoming`` is None: the transfer completed)."""
+    if incoming is None:
         manager._unpin(cache_id)
-    else:  # kept pinned: its memory must not go to another cache while data may land
-        log.error("cache %d stays pinned: an abandoned transfer may still write it", cache_id)
+    else:  # until then its memory must not go to another cache
+        incoming.abandon(lambda: manager._unpin(cache_id))
 
 
 def put_quietly(link: Link, key: str, message: dict[str, Any]) -> None:
@@ -194,8 +195,7 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
         if incoming is None:
             incoming = transport.incoming(dst.tensors, dst_rows, tid, one_layer, descriptor)
         try:
-            for i in range(desc.num_tensors):  # place tensor i while later ones arrive
-                incoming.receive([i], deadline.left())
+            incoming.receive_all(deadline.left())
         except (TransferTimeoutError, LinkFailedError) as exc:
             if ack:
                 put_quietly(link, f"x/{tid}/ack", {"ok": False})
