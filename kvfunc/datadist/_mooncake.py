@@ -37,6 +37,7 @@ from kvfunc.datadist._protocol import get_int, get_ints
 __all__ = ["MooncakeEndpoint", "MooncakeEngine"]
 
 _ADDRESS_LIMIT = 1 << 62
+_BATCH = 256  # triples per engine batch: its TCP lanes queue a bounded number of slices
 
 
 class MooncakeEngine:
@@ -140,8 +141,14 @@ class _Incoming(Incoming):
 
         def read() -> None:
             try:
-                result.append(self.engine.engine.batch_transfer_sync_read(
-                    self.session, local, remote, lengths))
+                for k in range(0, len(local), _BATCH):  # the engine queues a bounded number
+                    status = self.engine.engine.batch_transfer_sync_read(
+                        self.session, local[k:k + _BATCH], remote[k:k + _BATCH],
+                        lengths[k:k + _BATCH])
+                    if status:
+                        result.append(status)
+                        return
+                result.append(0)
             finally:
                 done.set()
                 self._finish()

@@ -29,8 +29,10 @@ runs, and every waiter (a :meth:`take`, a posted receive) wakes with the
 error.
 
 One thread reads; any thread sends, one frame at a time under a lock taken
-with the caller's deadline.  Every socket operation has a deadline: a send
-takes the caller's, and the reader polls so that it notices a close.
+with the caller's deadline.  Every socket operation has a deadline, set in
+the kernel (``SO_SNDTIMEO``, ``SO_RCVTIMEO``) so that one blocking call
+moves as much as it can: a send takes the caller's deadline, and the reader
+wakes every ``POLL_S`` to notice a close.
 
 A receive given up before its data arrived (a timeout) is unposted; if the
 reader is writing into it at that moment, the connection is shut down
@@ -82,6 +84,16 @@ def data_header(tid: int, index: int, nbytes: int) -> bytes:
     (b'KVF1', 2, 7, 1, 4096)
     """
     return HEADER.pack(MAGIC, DATA, tid, index, nbytes)
+
+
+def _timeval(seconds: float) -> bytes:
+    """``seconds`` as the ``struct timeval`` that SO_RCVTIMEO / SO_SNDTIMEO take.
+
+    >>> struct.unpack("@ll", _timeval(1.25))
+    (1, 250000)
+    """
+    whole = int(seconds)
+    return struct.pack("@ll", whole, max(int((seconds - whole) * 1e6), 1 if not whole else 0))
 
 
 def _again(error: LLMError) -> LLMError:
@@ -164,9 +176,13 @@ class Connection:
 
     def __init__(self, sock: socket.socket, name: str, timeout_s: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(POLL_S)  # non-blocking underneath: both objects need a timeout
+        # Blocking calls with the kernel's own timeouts: a receive waits at most POLL_S (the
+        # reader then looks whether the connection was closed), a send at most what its
+        # deadline leaves.  One call moves as much as the kernel can; Python's own timeouts
+        # would poll and make a non-blocking call per socket buffer.
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(POLL_S))
         self.rsock, self.wsock = sock, sock.dup()
-        self.wsock.settimeout(timeout_s)
         self.name, self.timeout_s = name, timeout_s
         self.failure: LLMError | None = None
         self._lock = threading.Lock()
@@ -188,9 +204,9 @@ class Connection:
                 raise _again(self.failure)
             if self._read_deadline is not None and time.monotonic() > self._read_deadline:
                 raise TransferTimeoutError(f"{self.name}: the peer sent nothing whole in time")
-            try:
-                got = self.rsock.recvmsg_into(window)[0]
-            except TimeoutError:
+            try:  # MSG_WAITALL: one wake-up per window, not one per arriving segment
+                got = self.rsock.recvmsg_into(window, 0, socket.MSG_WAITALL)[0]
+            except (BlockingIOError, TimeoutError, InterruptedError):
                 continue
             if got == 0:
                 raise LinkFailedError(f"{self.name}: the peer closed the connection")
@@ -372,8 +388,11 @@ class Connection:
             try:
                 if left <= 0:
                     raise TimeoutError
-                self.wsock.settimeout(left)
-                sent = self.wsock.sendmsg(parts[i:i + _IOV])
+                self.wsock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(left))
+                try:
+                    sent = self.wsock.sendmsg(parts[i:i + _IOV])
+                except (BlockingIOError, InterruptedError):  # nothing taken in time: look again
+                    continue
             except TimeoutError:
                 error: LLMError = TransferTimeoutError(f"{self.name}: the peer did not take "
                                                        "a frame in time")
