@@ -264,7 +264,7 @@ class TransferConfig:
     kvfunc's form gives the decoder cache's id instead (an int), with
     ``dst_batch_index``.
 
-    Args:
+    Attributes:
         dst_cluster_id: the decoder cluster.
         dst_addrs: the decoder cache's tensor addresses, or its cache id.
         src_layer_range: the layers of this side to send (step 1), all if None;

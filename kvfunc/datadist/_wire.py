@@ -96,6 +96,28 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("@ll", whole, max(int((seconds - whole) * 1e6), 1 if not whole else 0))
 
 
+def _consume(bufs: Buffers, i: int, nbytes: int) -> int:
+    """Mark ``nbytes`` of ``bufs[i:]`` done (a partial one is cut in place); the index of
+    the first buffer with bytes left.
+
+    >>> bufs = [memoryview(b"ab"), memoryview(b"cde"), memoryview(b"")]
+    >>> _consume(bufs, 0, 3), bytes(bufs[1])
+    (1, b'de')
+    >>> _consume(bufs, 1, 2)
+    3
+    """
+    while nbytes:
+        size = bufs[i].nbytes
+        if nbytes >= size:
+            nbytes -= size
+            i += 1
+        else:
+            bufs[i], nbytes = bufs[i][nbytes:], 0
+    while i < len(bufs) and bufs[i].nbytes == 0:
+        i += 1
+    return i
+
+
 def _again(error: LLMError) -> LLMError:
     """A fresh error of ``error``'s class and message (an exception object is raised in
     one thread only)."""
@@ -216,14 +238,7 @@ class Connection:
         """Fill ``buffers`` in order from the socket (the reader thread only)."""
         bufs, i = list(buffers), 0
         while i < len(bufs):
-            got = self._recv(bufs[i:i + _IOV])
-            while got:
-                size = bufs[i].nbytes
-                if got >= size:
-                    got -= size
-                    i += 1
-                else:
-                    bufs[i], got = bufs[i][got:], 0
+            i = _consume(bufs, i, self._recv(bufs[i:i + _IOV]))
 
     def _read_exact(self, nbytes: int) -> bytes:
         out = bytearray(nbytes)
@@ -401,15 +416,7 @@ class Connection:
             except OSError as exc:
                 self.fail(LinkFailedError(f"{self.name}: sending failed: {exc}"))
                 raise _again(self.failure or LinkFailedError(str(exc))) from None
-            while sent:
-                size = parts[i].nbytes
-                if sent >= size:
-                    sent -= size
-                    i += 1
-                else:
-                    parts[i], sent = parts[i][sent:], 0
-            while i < len(parts) and parts[i].nbytes == 0:
-                i += 1
+            i = _consume(parts, i, sent)
 
     def send_control(self, message: dict[str, Any], timeout_s: float | None = None) -> None:
         """Send one control message (within the link's timeout unless told)."""

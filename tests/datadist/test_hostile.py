@@ -95,6 +95,17 @@ def accept_then(send: Callable[[Hostile, int], None], hostile: Hostile
     return script
 
 
+def accepted_push(hostile: Hostile, dst: dd.Cache) -> int:
+    """Ask the victim to take a push of one layer into blocks [3, 4] of ``dst``; its id,
+    once the victim accepted."""
+    tid = hostile.link.new_tid(4)
+    hostile.post({"op": "push", "tid": tid, "cache_id": dst.cache_id, "rows": [3, 4],
+                  "tensors": [0, 1, 2, 3], "blocks": True, "desc": BLOCKS.to_json(),
+                  "layers": [[0, 1, 2, 3]], "sender": {}})
+    assert {"ok": True} == hostile.link.channel.take(f"x/{tid}/accept", TIMEOUT_S)
+    return tid
+
+
 def pull_error(cm: dd.CacheManager, dst: dd.Cache) -> tuple[LLMError, float]:
     """Pull blocks [0, 1] into [3, 4]; the error it raises and how long it took."""
     start = time.monotonic()
@@ -141,11 +152,7 @@ def test_a_push_with_the_wrong_amount_of_data_breaks_the_link_and_writes_nothing
     cm = victim.cache_manager
     dst = zeros(cm)
     before = snapshot(cm, dst)
-    tid = hostile.link.new_tid(4)
-    hostile.post({"op": "push", "tid": tid, "cache_id": dst.cache_id, "rows": [3, 4],
-                  "tensors": [0, 1, 2, 3], "blocks": True, "desc": BLOCKS.to_json(),
-                  "layers": [[0, 1, 2, 3]], "sender": {}})
-    assert {"ok": True} == hostile.link.channel.take(f"x/{tid}/accept", TIMEOUT_S)
+    tid = accepted_push(hostile, dst)
     hostile.data(tid, 0, b"\x7f" * 4 * ROW * payload_rows)
     assert wait_for(lambda: victim._links[0].broken is not None)
     assert "expects frame 0 of 256 bytes" in str(victim._links[0].broken)
@@ -165,11 +172,7 @@ def test_a_push_that_stops_mid_frame_times_out_and_writes_only_offered_rows(
     cm = victim.cache_manager
     dst = zeros(cm)
     before = snapshot(cm, dst)
-    tid = hostile.link.new_tid(4)
-    hostile.post({"op": "push", "tid": tid, "cache_id": dst.cache_id, "rows": [3, 4],
-                  "tensors": [0, 1, 2, 3], "blocks": True, "desc": BLOCKS.to_json(),
-                  "layers": [[0, 1, 2, 3]], "sender": {}})
-    assert {"ok": True} == hostile.link.channel.take(f"x/{tid}/accept", TIMEOUT_S)
+    tid = accepted_push(hostile, dst)
     start = time.monotonic()
     hostile.data(tid, 0, b"\x7f" * 4 * ROW, claimed=8 * ROW)
     with pytest.raises(dd.LinkFailedError):  # the decoder hangs up instead of replying
