@@ -84,7 +84,7 @@ def push(manager: CacheManager, targets: Sequence[PushTarget], src: Cache,
     their checks overlap the compute of the first layer.
     """
     manager._pin(src.cache_id)
-    sessions: list[tuple[PushTarget, int, Outgoing, list[list[int]]]] = []
+    opened: list[tuple[PushTarget, int, Outgoing, list[list[int]]]] = []
     try:
         for target in targets:
             target.link.check_usable()
@@ -96,17 +96,17 @@ def push(manager: CacheManager, targets: Sequence[PushTarget], src: Cache,
                 target.link.post(target.request(tid, src.cache_desc, layers, outgoing))
             except (TransferTimeoutError, LinkFailedError) as exc:
                 raise broken(target.link, exc, "push") from None
-            sessions.append((target, tid, outgoing, layers))
+            opened.append((target, tid, outgoing, layers))
         deadline = Deadline(timeout_s)
-        for target, tid, _, _ in sessions:
+        for target, tid, _, _ in opened:
             try:
                 accept = target.link.channel.take(f"x/{tid}/accept", deadline.left())
             except (TransferTimeoutError, LinkFailedError) as exc:
                 raise broken(target.link, exc, "push") from None
             raise_if_error(accept)
-        _send_layers(sessions, wait_layer)
+        _send_layers(opened, wait_layer)
         deadline = Deadline(timeout_s)
-        for target, tid, outgoing, _ in sessions:
+        for target, tid, outgoing, _ in opened:
             try:
                 outgoing.wait(deadline.left())
                 done = target.link.channel.take(f"x/{tid}/done", deadline.left())
@@ -117,21 +117,21 @@ def push(manager: CacheManager, targets: Sequence[PushTarget], src: Cache,
         manager._unpin(src.cache_id)
 
 
-def _send_layers(sessions: list[tuple[PushTarget, int, Outgoing, list[list[int]]]],
+def _send_layers(opened: list[tuple[PushTarget, int, Outgoing, list[list[int]]]],
                  wait_layer: LayerWait | None) -> None:
-    first = min(t.first_layer for t, _, _, _ in sessions)
-    end = max(t.first_layer + len(layers) for t, _, _, layers in sessions)
+    first = min(t.first_layer for t, _, _, _ in opened)
+    end = max(t.first_layer + len(layers) for t, _, _, layers in opened)
     for i in range(first, end):
         if wait_layer is not None:
             try:
                 wait_layer(i)
             except LLMError as exc:  # tell each target at the layer it waits for
-                for target, tid, _, layers in sessions:
+                for target, tid, _, layers in opened:
                     j = max(i - target.first_layer, 0)
                     if j < len(layers):
                         put_quietly(target.link, f"x/{tid}/ready/{j}", error_reply(exc))
                 raise
-        for target, tid, outgoing, layers in sessions:
+        for target, tid, outgoing, layers in opened:
             j = i - target.first_layer
             if not 0 <= j < len(layers):
                 continue
