@@ -1,25 +1,36 @@
-"""Benchmark of DataDist transfers between two processes over gloo on loopback.
+"""Benchmark of DataDist transfers between two processes on loopback, each with its baseline.
 
 Theory of operation
 -------------------
-This process is the decoder; it starts a prompt cluster as a child process
-(``--prompt``), driven by JSON lines on its stdin.  Both hold one blocks
-cache of ``TENSORS`` tensors (8 layers, K and V) in their DataDist pools.
+This process is the decoder; it starts a prompt process (``--prompt``),
+driven by JSON lines on its stdin.  Each side holds a blocks cache of
+``TENSORS`` tensors (8 layers, K and V) per transport: ``tcp`` (the
+default) and, when the ``mooncake`` extra is installed, Mooncake.  Every
+lane moves ``BLOCKS`` blocks of every tensor (64 MiB), and every pulled or
+pushed block is checked against the prompt side's data.
 
-* **Pull.** The decoder pulls ``BLOCKS`` scattered blocks of every tensor
-  (64 MiB in all) with ``pull_blocks``; the baseline is a raw gloo
-  ``send``/``recv`` of one contiguous 64 MiB tensor between the same two
-  processes on a process group of their own.  Raw and pull alternate, round
-  after round; medians are compared (each round's own ratio is shown too,
-  as a measure of the machine's noise).  Target: pull >= 70 % of raw.
-* **Layer-wise push.** The prompt cluster pushes the same blocks with
-  ``transfer_cache_async`` while a thread simulates the model: layer ``i``
-  is "computed" ``delay`` seconds after layer ``i - 1`` (a sleep: device
-  compute does not use the host CPU).  ``delay`` is one layer's transfer
-  time, measured first by a push with no compute, so compute and transfer
-  are balanced.  Target: total <= (compute time + one layer's transfer) x 1.2.
+Lanes, interleaved round after round (each round runs them in a rotated
+order; medians are compared, and each round's own ratio is shown as the
+machine's noise):
 
-Every pulled and pushed block is checked against the prompt side's data.
+* ``raw tcp``: one contiguous 64 MiB tensor over a plain TCP socket
+  (``sendall`` / ``recv_into``) between the same two processes: the wire.
+* ``raw gloo``: the same over a gloo ``send``/``recv`` (for reference).
+* ``pull contiguous``: ``pull_blocks`` of 16 runs of 16 consecutive blocks.
+  Target: >= 0.9 of ``raw tcp``'s throughput.
+* ``pull scattered``: ``pull_blocks`` of 256 scattered blocks.  Target:
+  time <= ``raw tcp`` + ``copy``, where ``copy`` is a 64 MiB
+  ``index_select`` of the same rows timed here in the same round.
+* ``mooncake raw write``: one 64 MiB region written by the decoder's
+  Mooncake engine into the prompt side's registered memory.
+* ``mooncake pull``: ``pull_blocks`` of the 256 scattered blocks over
+  Mooncake.  Target: >= 0.85 of ``mooncake raw write``'s throughput.
+
+Then a **layer-wise push**: the prompt side pushes the scattered blocks
+with ``transfer_cache_async`` (tcp) while a thread simulates the model,
+one layer every ``delay`` seconds, ``delay`` being one layer's transfer
+time measured first.  Target: total <= (compute + one layer) x 1.2.
+
 Run ``python benchmarks/bench_datadist.py [--quick] [--json PATH]``.
 """
 
@@ -28,18 +39,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 import kvfunc.datadist as dd
-from kvfunc.core import LLMStatusCode
 
 TENSORS = 16  # 8 layers x (K, V)
 BLOCK_SHAPE = (16, 8, 64)  # block size 16, 8 heads, head dim 64: 16 KiB in fp16
@@ -56,14 +68,30 @@ def desc(num_blocks: int) -> dd.CacheDesc:
     return dd.CacheDesc(TENSORS, (num_blocks, *BLOCK_SHAPE), dd.DataType.DT_FLOAT16)
 
 
-def options(pool_bytes: int, **extra: Any) -> dict[str, Any]:
-    """Cluster options: CPU pool of ``pool_bytes``, gloo, a generous timeout."""
+def has_mooncake() -> bool:
+    """Whether the Mooncake transfer engine can be imported here."""
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def options(pool_bytes: int, transport: str, **extra: Any) -> dict[str, Any]:
+    """Cluster options: CPU pool of ``pool_bytes``, a transport, a generous timeout."""
     return {"llm.MemPoolConfig": json.dumps({"memory_size": pool_bytes, "page_shift": 16}),
-            "llm.Device": "cpu", "llm.SyncKvCacheWaitTime": 60_000, **extra}
+            "llm.Device": "cpu", "llm.SyncKvCacheWaitTime": 60_000,
+            "llm.TransferBackend": transport, **extra}
 
 
-def block_ids(n: int, num_blocks: int, seed: int) -> list[int]:
-    """``n`` distinct, shuffled block ids (paged blocks are never contiguous)."""
+def contiguous_ids(n: int, num_blocks: int, seed: int) -> list[int]:
+    """``n`` block ids in runs of 16 consecutive blocks, the runs shuffled."""
+    runs = torch.randperm(num_blocks // 16, generator=torch.Generator().manual_seed(seed))
+    return [16 * int(r) + k for r in runs[:max(n // 16, 1)] for k in range(16)][:n]
+
+
+def scattered_ids(n: int, num_blocks: int, seed: int) -> list[int]:
+    """``n`` distinct, shuffled block ids (paged blocks are rarely contiguous)."""
     return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:n].tolist()
 
 
@@ -75,46 +103,69 @@ def fill(cache: dd.Cache) -> None:
 
 
 class Prompt:
-    """The prompt side (child process)."""
+    """The prompt side (child process): a cluster per transport, raw senders."""
 
     def __init__(self, quick: bool) -> None:
         moved, num_blocks, _ = sizes(quick)
         d = desc(num_blocks)
-        self.dd = dd.LLMDataDist(dd.LLMRole.PROMPT, 0, options(
-            d.nbytes + (1 << 20), **{"llm.listenIpInfo": "127.0.0.1:0"}))
-        self.cache = self.dd.cache_manager.allocate_blocks_cache(d, dd.BlocksCacheKey(0))
-        fill(self.cache)
-        self.raw = torch.randn(moved * TENSORS * d.row_nbytes // 4)  # same bytes, contiguous
+        self.nbytes = moved * TENSORS * d.row_nbytes
+        self.clusters: dict[str, dd.LLMDataDist] = {}
+        self.caches: dict[str, dd.Cache] = {}
+        for cid, transport in enumerate(["tcp"] + ["mooncake"] * has_mooncake()):
+            cluster = dd.LLMDataDist(dd.LLMRole.PROMPT, 2 * cid, options(
+                2 * d.nbytes + (1 << 20), transport, **{"llm.listenIpInfo": "127.0.0.1:0"}))
+            self.caches[transport] = cluster.cache_manager.allocate_blocks_cache(
+                d, dd.BlocksCacheKey(2 * cid))
+            fill(self.caches[transport])
+            self.clusters[transport] = cluster
+        if "mooncake" in self.clusters:  # where the raw Mooncake write lands
+            scratch = dd.CacheDesc(1, (self.nbytes,), dd.DataType.DT_UINT8)
+            self.scratch = self.clusters["mooncake"].cache_manager.allocate_cache(scratch)
+        self.raw = torch.randn(self.nbytes // 4)  # same bytes, contiguous
         self.raw_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.group: Any = None
+        self.raw_server = socket.create_server(("127.0.0.1", 0))
 
     def serve(self) -> None:
-        print(json.dumps({"listen": self.dd.listen_address, "raw_port": self.raw_store.port}),
-              flush=True)
-        self.group = dist_group(self.raw_store, 0)
+        info: dict[str, Any] = {"listen": {t: c.listen_address for t, c in
+                                           self.clusters.items()},
+                                "raw_port": self.raw_store.port,
+                                "tcp_port": self.raw_server.getsockname()[1]}
+        if "mooncake" in self.clusters:
+            info["mooncake"] = [self.clusters["mooncake"]._engine.session,
+                                self.scratch.tensors[0].data_ptr()]
+        print(json.dumps(info), flush=True)
+        threading.Thread(target=self._raw_tcp, daemon=True).start()
+        group = dist_group(self.raw_store, 0)
         for line in sys.stdin:
             cmd = json.loads(line)
             if cmd["op"] == "raw":
-                self.group.send([self.raw], 1, cmd["tag"]).wait()
+                group.send([self.raw], 1, cmd["tag"]).wait()
                 print(json.dumps({}), flush=True)
             elif cmd["op"] == "push":
                 print(json.dumps({"seconds": self.push(**cmd["args"])}), flush=True)
             else:
                 break
-        self.dd.finalize()
+        for cluster in self.clusters.values():
+            cluster.finalize()
+
+    def _raw_tcp(self) -> None:
+        conn, _ = self.raw_server.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload = memoryview(self.raw.numpy()).cast("B")
+        while conn.recv(1):
+            conn.sendall(payload)
 
     def push(self, dst_cache_id: int, src: list[int], dst: list[int], delay: float) -> float:
         """Seconds from the start of layer 0's compute until the push is done."""
-        layers = TENSORS // 2
-        done = [threading.Event() for _ in range(layers)]
+        done = [threading.Event() for _ in range(TENSORS // 2)]
 
         class Sync:
             def synchronize_layer(self, i: int, timeout_in_millis: int | None) -> bool:
                 return done[i].wait(None if timeout_in_millis is None
                                     else timeout_in_millis / 1000)
 
-        task = self.dd.cache_manager.transfer_cache_async(
-            self.cache, Sync(), [dd.TransferConfig(1, dst_cache_id)], src, dst)
+        task = self.clusters["tcp"].cache_manager.transfer_cache_async(
+            self.caches["tcp"], Sync(), [dd.TransferConfig(1, dst_cache_id)], src, dst)
         start = time.perf_counter()
         for event in done:  # the simulated model: one layer every `delay` seconds
             if delay:
@@ -125,7 +176,7 @@ class Prompt:
 
 
 def dist_group(store: Any, rank: int) -> Any:
-    """The baseline's own two-rank gloo group."""
+    """The gloo baseline's own two-rank group."""
     return torch.distributed.ProcessGroupGloo(PrefixStore("raw", store), rank, 2,
                                               datetime.timedelta(seconds=60))
 
@@ -140,11 +191,10 @@ def main() -> None:
     if args.prompt:
         Prompt(args.quick).serve()
         return
-    moved, num_blocks, rounds = sizes(args.quick)
     child = subprocess.Popen([sys.executable, __file__, "--prompt"] + (["--quick"] * args.quick),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        result = run(child, moved, num_blocks, rounds)
+        result = Decoder(child, args.quick).run()
     finally:
         if child.poll() is None:
             assert child.stdin is not None
@@ -161,100 +211,177 @@ def main() -> None:
             json.dump(result, f, indent=2)
 
 
-def run(child: subprocess.Popen[str], moved: int, num_blocks: int, rounds: int
-        ) -> dict[str, Any]:
-    assert child.stdin is not None and child.stdout is not None
-    stdin, stdout = child.stdin, child.stdout
+class Decoder:
+    """The decoder side (this process): every lane, timed and checked."""
 
-    def ask(op: str, **fields: Any) -> dict[str, Any]:
-        stdin.write(json.dumps({"op": op, **fields}) + "\n")
-        stdin.flush()
-        reply: dict[str, Any] = json.loads(stdout.readline())
+    def __init__(self, child: subprocess.Popen[str], quick: bool) -> None:
+        assert child.stdin is not None and child.stdout is not None
+        self.stdin, self.stdout = child.stdin, child.stdout
+        self.moved, self.num_blocks, self.rounds = sizes(quick)
+        self.hello = json.loads(self.stdout.readline())
+        d = self.desc = desc(self.num_blocks)
+        self.nbytes = self.moved * TENSORS * d.row_nbytes
+        self.clusters: dict[str, dd.LLMDataDist] = {}
+        self.dst: dict[str, dd.Cache] = {}
+        for cid, (transport, address) in enumerate(self.hello["listen"].items()):
+            cluster = dd.LLMDataDist(dd.LLMRole.DECODER, 2 * cid + 1,
+                                     options(d.nbytes + (1 << 20), transport))
+            status, _ = cluster.link_clusters([dd.ClusterInfo(2 * cid, *address)], 30_000)
+            assert dd.LLMStatusCode.LLM_SUCCESS == status, status
+            self.clusters[transport] = cluster
+            self.dst[transport] = cluster.cache_manager.allocate_blocks_cache(d)
+        self.group = dist_group(TCPStore("127.0.0.1", self.hello["raw_port"],
+                                         is_master=False), 1)
+        self.sock = socket.create_connection(("127.0.0.1", self.hello["tcp_port"]))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.raw = torch.empty(self.nbytes // 4)
+        self.contig = (contiguous_ids(self.moved, self.num_blocks, 1),
+                       contiguous_ids(self.moved, self.num_blocks, 2))
+        self.scattered = (scattered_ids(self.moved, self.num_blocks, 1),
+                          scattered_ids(self.moved, self.num_blocks, 2))
+        self.copy_src = torch.ones(TENSORS * self.num_blocks, d.row_nbytes, dtype=torch.uint8)
+        self.copy_rows = torch.tensor([i * self.num_blocks + b for i in range(TENSORS)
+                                       for b in self.scattered[0]])
+        self.copy_out = torch.empty(len(self.copy_rows), d.row_nbytes, dtype=torch.uint8)
+
+    def ask(self, op: str, **fields: Any) -> dict[str, Any]:
+        self.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.stdin.flush()
+        reply: dict[str, Any] = json.loads(self.stdout.readline())
         return reply
 
-    hello = json.loads(stdout.readline())
-    d = desc(num_blocks)
-    decoder = dd.LLMDataDist(dd.LLMRole.DECODER, 1, options(2 * d.nbytes + (1 << 20)))
-    cm = decoder.cache_manager
-    status, _ = decoder.link_clusters([dd.ClusterInfo(0, *hello["listen"])], 30_000)
-    assert LLMStatusCode.LLM_SUCCESS == status, status
-    group = dist_group(TCPStore("127.0.0.1", hello["raw_port"], is_master=False), 1)
-    dst = cm.allocate_blocks_cache(d)
-    src_ids, dst_ids = block_ids(moved, num_blocks, 1), block_ids(moved, num_blocks, 2)
-    nbytes = moved * TENSORS * d.row_nbytes
-    reference = cm.allocate_blocks_cache(d)
-    fill(reference)
-    raw = torch.empty(nbytes // 4)
+    def check(self, transport: str, ids: tuple[list[int], list[int]]) -> None:
+        """Every moved block equals the prompt side's (the same deterministic fill)."""
+        src, dst = ids
+        gen = torch.Generator().manual_seed(SEED)
+        for t in self.dst[transport].tensors:
+            want = torch.randn(t.shape, generator=gen).to(t.dtype)
+            assert torch.equal(want[src], t[dst]), "moved blocks differ"
+            t.zero_()
 
-    def time_raw(tag: int) -> float:
+    def time_raw_tcp(self) -> float:
+        view = memoryview(self.raw.numpy()).cast("B")
         start = time.perf_counter()
-        work = group.recv([raw], 0, tag)
-        stdin.write(json.dumps({"op": "raw", "tag": tag}) + "\n")
-        stdin.flush()
-        work.wait()
-        stdout.readline()
+        self.sock.sendall(b"r")
+        got = 0
+        while got < self.nbytes:
+            got += self.sock.recv_into(view[got:])
         return time.perf_counter() - start
 
-    def time_pull() -> float:
-        for t in dst.tensors:
-            t.zero_()
+    def time_raw_gloo(self, tag: int) -> float:
         start = time.perf_counter()
-        cm.pull_blocks(dd.BlocksCacheKey(0), dst, src_ids, dst_ids)
+        work = self.group.recv([self.raw], 0, tag)
+        self.stdin.write(json.dumps({"op": "raw", "tag": tag}) + "\n")
+        self.stdin.flush()
+        work.wait()
+        self.stdout.readline()
+        return time.perf_counter() - start
+
+    def time_pull(self, transport: str, ids: tuple[list[int], list[int]]) -> float:
+        cid = 2 * list(self.clusters).index(transport)
+        start = time.perf_counter()
+        self.clusters[transport].cache_manager.pull_blocks(
+            dd.BlocksCacheKey(cid), self.dst[transport], *ids)
         seconds = time.perf_counter() - start
-        for r, t in zip(reference.tensors, dst.tensors, strict=True):
-            assert torch.equal(r[src_ids], t[dst_ids]), "pulled blocks differ"
+        self.check(transport, ids)
         return seconds
 
-    time_raw(0), time_pull()  # warm up both paths
-    raws, pulls = [], []
-    for r in range(rounds):  # alternate which path goes first
-        if r % 2:
-            raws.append(time_raw(r + 1))
-            pulls.append(time_pull())
-        else:
-            pulls.append(time_pull())
-            raws.append(time_raw(r + 1))
-    raw_s, pull_s = statistics.median(raws), statistics.median(pulls)
-    mib = nbytes / (1 << 20)
-    print(f"pull: {mib:.0f} MiB in {moved} scattered blocks x {TENSORS} tensors, "
-          f"median of {rounds}")
-    print(f"  raw gloo send/recv (one tensor)  {raw_s * 1e3:8.1f} ms  "
-          f"{mib / raw_s:7.1f} MiB/s")
-    print(f"  pull_blocks                      {pull_s * 1e3:8.1f} ms  "
-          f"{mib / pull_s:7.1f} MiB/s")
-    paired = sorted(r / p for r, p in zip(raws, pulls, strict=True))
-    print(f"  ratio pull/raw throughput        {raw_s / pull_s:8.2f}   (target >= 0.70; "
-          f"rounds' own ratios {paired[0]:.2f}-{paired[-1]:.2f})")
+    def time_copy(self) -> float:
+        """One 64 MiB gather of the scattered rows (one visible copy of the same bytes)."""
+        start = time.perf_counter()
+        torch.index_select(self.copy_src, 0, self.copy_rows, out=self.copy_out)
+        return time.perf_counter() - start
 
-    def push(delay: float) -> float:
-        for t in dst.tensors:
-            t.zero_()
-        seconds = float(ask("push", args={"dst_cache_id": dst.cache_id, "src": src_ids,
-                                          "dst": dst_ids, "delay": delay})["seconds"])
-        for r, t in zip(reference.tensors, dst.tensors, strict=True):
-            assert torch.equal(r[src_ids], t[dst_ids]), "pushed blocks differ"
+    def time_mooncake_raw(self) -> float:
+        engine = self.clusters["mooncake"]._engine.engine
+        session, remote = self.hello["mooncake"]
+        local = self.dst["mooncake"].tensors[0].data_ptr()
+        start = time.perf_counter()
+        status = engine.batch_transfer_sync_write(session, [local], [remote], [self.nbytes])
+        seconds = time.perf_counter() - start
+        assert 0 == status, status
         return seconds
 
-    layers = TENSORS // 2
-    push(0.0)  # warm up
-    alone = statistics.median(push(0.0) for _ in range(rounds))
-    layer_s = alone / layers
-    totals = [push(layer_s) for _ in range(rounds)]
-    total = statistics.median(totals)
-    bound = layers * layer_s + layer_s
-    print(f"layer-wise transfer_cache_async: {layers} layers, median of {rounds}")
-    print(f"  push alone (no compute)          {alone * 1e3:8.1f} ms  "
-          f"(one layer {layer_s * 1e3:.1f} ms)")
-    print(f"  simulated compute                {layers * layer_s * 1e3:8.1f} ms  "
-          f"({layers} x {layer_s * 1e3:.1f} ms)")
-    print(f"  compute + push, overlapped       {total * 1e3:8.1f} ms  "
-          f"(serial would be {(layers * layer_s + alone) * 1e3:.1f} ms)")
-    print(f"  ratio total/(compute + 1 layer)  {total / bound:8.2f}   (target <= 1.20)")
-    decoder.finalize()
-    return {"mib": mib, "raw_ms": [r * 1e3 for r in raws], "pull_ms": [p * 1e3 for p in pulls],
-            "pull_ratio": raw_s / pull_s,
-            "layer_ms": layer_s * 1e3, "push_alone_ms": alone * 1e3,
-            "overlapped_ms": [t * 1e3 for t in totals], "layerwise_ratio": total / bound}
+    def lanes(self) -> dict[str, Callable[[int], float]]:
+        out: dict[str, Callable[[int], float]] = {
+            "raw tcp": lambda r: self.time_raw_tcp(),
+            "raw gloo": self.time_raw_gloo,
+            "pull contiguous": lambda r: self.time_pull("tcp", self.contig),
+            "pull scattered": lambda r: self.time_pull("tcp", self.scattered),
+            "copy": lambda r: self.time_copy()}
+        if "mooncake" in self.clusters:
+            out["mooncake raw write"] = lambda r: self.time_mooncake_raw()
+            out["mooncake pull"] = lambda r: self.time_pull("mooncake", self.scattered)
+        return out
+
+    def run(self) -> dict[str, Any]:
+        lanes = self.lanes()
+        names = list(lanes)
+        for name in names:  # warm every path up
+            lanes[name](0)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(self.rounds):
+            for k in range(len(names)):  # a rotated order each round
+                name = names[(k + r) % len(names)]
+                times[name].append(lanes[name](r + 1))
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        mib = self.nbytes / (1 << 20)
+        print(f"{mib:.0f} MiB of {TENSORS} tensors x {self.moved} blocks, median of "
+              f"{self.rounds} interleaved rounds")
+        for name in names:
+            print(f"  {name:<26} {med[name] * 1e3:8.1f} ms  {mib / med[name]:8.1f} MiB/s")
+        result: dict[str, Any] = {"mib": mib, "ms": {n: [t * 1e3 for t in ts]
+                                                     for n, ts in times.items()}}
+
+        def ratio(label: str, num: str, den: str, target: str) -> None:
+            own = sorted(a / b for a, b in zip(times[num], times[den], strict=True))
+            value = med[num] / med[den]
+            result[label] = value
+            print(f"  {label:<38} {value:6.2f}   ({target}; rounds' own "
+                  f"{own[0]:.2f}-{own[-1]:.2f})")
+
+        ratio("ratio contiguous/raw tcp throughput", "raw tcp", "pull contiguous",
+              "target >= 0.90")
+        bound = [a + b for a, b in zip(times["raw tcp"], times["copy"], strict=True)]
+        times["raw tcp + copy"] = bound
+        med["raw tcp + copy"] = statistics.median(bound)
+        ratio("ratio scattered/(raw tcp + copy) time", "pull scattered", "raw tcp + copy",
+              "target <= 1.00")
+        ratio("ratio scattered/raw tcp throughput", "raw tcp", "pull scattered", "shown")
+        ratio("ratio raw gloo/raw tcp throughput", "raw tcp", "raw gloo", "shown")
+        if "mooncake" in self.clusters:
+            ratio("ratio mooncake pull/raw write throughput", "mooncake raw write",
+                  "mooncake pull", "target >= 0.85")
+        result["layerwise_ratio"] = self.layerwise()
+        for cluster in self.clusters.values():
+            cluster.finalize()
+        return result
+
+    def layerwise(self) -> float:
+        dst = self.dst["tcp"]
+
+        def push(delay: float) -> float:
+            seconds = float(self.ask("push", args={
+                "dst_cache_id": dst.cache_id, "src": self.scattered[0],
+                "dst": self.scattered[1], "delay": delay})["seconds"])
+            self.check("tcp", self.scattered)
+            return seconds
+
+        layers = TENSORS // 2
+        push(0.0)  # warm up
+        alone = statistics.median(push(0.0) for _ in range(self.rounds))
+        layer_s = alone / layers
+        total = statistics.median(push(layer_s) for _ in range(self.rounds))
+        bound = layers * layer_s + layer_s
+        print(f"layer-wise transfer_cache_async over tcp: {layers} layers, median of "
+              f"{self.rounds}")
+        print(f"  push alone (no compute)          {alone * 1e3:8.1f} ms  "
+              f"(one layer {layer_s * 1e3:.1f} ms)")
+        print(f"  simulated compute                {layers * layer_s * 1e3:8.1f} ms")
+        print(f"  compute + push, overlapped       {total * 1e3:8.1f} ms  "
+              f"(serial would be {(layers * layer_s + alone) * 1e3:.1f} ms)")
+        print(f"  ratio total/(compute + 1 layer)  {total / bound:8.2f}   (target <= 1.20)")
+        return total / bound
 
 
 if __name__ == "__main__":

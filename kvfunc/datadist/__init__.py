@@ -20,6 +20,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvfunc.core import LLMError, LLMStatusCode
+from kvfunc.datadist._config import DataDistOptions, LLMClusterInfo, LLMConfig
 from kvfunc.datadist._errors import (
     AlreadyLinkedError,
     CacheNotExistError,
@@ -29,6 +31,7 @@ from kvfunc.datadist._errors import (
     InvalidParamError,
     LinkFailedError,
     NotLinkedError,
+    PeerProtocolError,
     PoolOutOfMemoryError,
     TransferTimeoutError,
     error_for,
@@ -53,7 +56,6 @@ from kvfunc.datadist._types import (
     CacheKey,
     CacheKeyByIdAndIndex,
     ClusterInfo,
-    DataDistOptions,
     DataType,
     LLMRole,
     Placement,
@@ -116,13 +118,18 @@ __all__ = [
     "DataType",
     "FeatureNotEnabledError",
     "InvalidParamError",
+    "LLMClusterInfo",
+    "LLMConfig",
     "LLMDataDist",
+    "LLMError",
     "LLMRole",
+    "LLMStatusCode",
     "LayerSynchronizer",
     "LinkFailedError",
     "MemoryPool",
     "NotLinkedError",
     "PagedCaches",
+    "PeerProtocolError",
     "Placement",
     "PoolConfig",
     "PoolOutOfMemoryError",

@@ -1,4 +1,4 @@
-"""Data transports behind one small interface: torch.distributed point-to-point.
+"""Data transports behind one small interface; the ``torch.distributed`` ones.
 
 A transfer moves, for each tensor ``i`` of a cache, the rows ``rows`` (blocks
 or batch entries) of the sender's tensor into the rows ``rows'`` (paired by
@@ -9,36 +9,38 @@ position) of the receiver's.  Both sides build their half from an
   receiver needs to know) and ``send(indices)`` starts moving tensors;
 * the receiver's :class:`Incoming` is built from that descriptor and
   ``receive(indices, timeout_s)`` returns once those tensors' rows are in
-  place.
+  place; ``abandon(on_settled)`` gives a transfer up and runs ``on_settled``
+  once nothing of it can write the destination rows any more.
 
-The receiver always lands data in a staging buffer first and copies it into
-its rows only after it arrived whole, so a transfer that times out never
-writes a destination block late; the staging buffers of an abandoned
-transfer are kept until the link closes (a late arrival lands there).
+Three transports implement it: ``tcp`` (:mod:`._tcp`, the default on host
+memory: the link's own connection, straight into the rows), Mooncake
+(:mod:`._mooncake`), and :class:`TorchEndpoint` here (``gloo``, ``nccl``,
+``hccl``: a two-rank process group per link, rendezvous through a
+``TCPStore`` the listener starts).
 
-:class:`TorchEndpoint` sends over one process group per link
-(``gloo`` for host memory, ``nccl`` on CUDA, ``hccl`` on Ascend NPUs).  A
-transfer is cut into messages of whole tensors of one layer, up to
-``CHUNK_BYTES`` each (each message costs a handshake on gloo, but several
-keep the sender's gather, the wire and the receiver's placing overlapped;
-layers stay separate so a layer-wise push can send each as soon as it is
-computed).  The sender gathers a message's rows with one
-``index_select`` per tensor into a pooled buffer; the receiver copies them
-into its rows with one row assignment per tensor.
+:class:`TorchEndpoint` lands data in a staging buffer
+(:class:`StagedIncoming`) and copies it into its rows only after it arrived
+whole, so a transfer that times out never writes a destination block late;
+the staging buffers of an abandoned transfer are kept until the link
+closes.  A transfer is cut into messages of whole tensors of one layer, up
+to ``CHUNK_BYTES`` each (several keep the sender's gather, the wire and the
+receiver's placing overlapped; layers stay separate so a layer-wise push
+can send each as soon as it is computed).
 
 On gloo two things keep the wire busy from the first byte:
 
 * **Receives posted early.**  A gloo receive needs nothing from the sender,
   so the receiver of a pull posts its receives before it asks
-  (``Endpoint.posts_early``); the data flows as soon as the sender has
-  gathered it, not one control round trip later.  The request lists the
-  messages posted (``Incoming.starts``); a sender that refuses the transfer
-  completes each with an empty message (``Endpoint.drain``), so the
-  receiver gets its staging buffer back.
-* **A sending thread.**  A gloo send whose receive is already posted starts
-  writing to the socket in the calling thread (as much as the socket takes;
-  gloo's own thread writes the rest); a thread of the link's own posts the
-  sends, so gathering the next message overlaps writing this one.
+  (``Endpoint.posts_early``); the request lists the messages posted
+  (``Incoming.starts``), and a sender that refuses the transfer completes
+  each with an empty message (``Endpoint.drains``, :meth:`Endpoint.drain`).
+* **A sending thread.**  A thread of the link's own posts the sends, so
+  gathering the next message overlaps writing this one.
+
+Gloo trusts its peer: a message whose size differs from the posted receive
+aborts the receiving process (gloo's own check, on its I/O thread), and an
+undersize one is taken as complete.  ``tcp`` checks every size before it
+reads and is the default for that reason (``docs/datadist.md``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
 
 from kvfunc.datadist._errors import (
     FeatureNotEnabledError,
@@ -66,8 +69,9 @@ from kvfunc.datadist._errors import (
     TransferTimeoutError,
 )
 
-__all__ = ["BufferPool", "Endpoint", "Incoming", "Outgoing", "TorchEndpoint", "chunks_of",
-           "consecutive", "create_process_group", "gather_rows", "rows_as_bytes"]
+__all__ = ["BufferPool", "Endpoint", "Incoming", "Outgoing", "StagedIncoming", "TorchEndpoint",
+           "chunks_of", "consecutive", "create_process_group", "gather_rows", "rows_as_bytes",
+           "start_store_server"]
 
 TAG_SPACE = 1 << 30
 # One message carries up to this much of one layer.  On an idle 2-core machine a 64 MiB
@@ -166,13 +170,42 @@ class Outgoing(abc.ABC):
 
 
 class Incoming(abc.ABC):
-    """The receiving half of one transfer: staging, then one copy into the rows.
+    """The receiving half of one transfer.
 
     ``starts`` lists the first tensor of each message it waits for, as the
-    sender's ``Outgoing.starts`` must (none where there are no messages).
+    sender's ``Outgoing.starts`` must, where the transport drains refused
+    transfers (none otherwise).
     """
 
     starts: Sequence[int] = ()
+    tensors: list[torch.Tensor]
+
+    @abc.abstractmethod
+    def receive(self, indices: Sequence[int], timeout_s: float) -> None:
+        """Return once tensors ``indices`` are in their rows, or raise
+        :class:`TransferTimeoutError` / :class:`LinkFailedError`."""
+
+    def receive_all(self, timeout_s: float) -> None:
+        """Return once every tensor is in its rows (see :meth:`receive`)."""
+        self.receive(range(len(self.tensors)), timeout_s)
+
+    @abc.abstractmethod
+    def abandon(self, on_settled: Callable[[], None]) -> None:
+        """Give up; ``on_settled`` runs (now or later) once nothing of this transfer can
+        write its destination rows any more, and never if that cannot be known."""
+
+    def cancel(self, timeout_s: float) -> None:
+        """The sender refused the transfer: take back what was posted for it.
+
+        Raises:
+            TransferTimeoutError: what was posted could not be taken back in
+                ``timeout_s`` (the transfer is abandoned).
+        """
+        self.abandon(lambda: None)
+
+
+class StagedIncoming(Incoming):
+    """A receiving half that lands data in a staging buffer, then copies it into the rows."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], rows: Sequence[int],
                  staging_device: torch.device, buffers: BufferPool | None = None) -> None:
@@ -186,6 +219,12 @@ class Incoming(abc.ABC):
             torch.empty(shape, dtype=first.dtype, device=staging_device)
         self.staging = list(self.buffer)
         self.placed: set[int] = set()
+
+    def receive_all(self, timeout_s: float) -> None:
+        """Place tensor ``i`` while later ones still arrive."""
+        deadline = time.monotonic() + timeout_s
+        for i in range(len(self.tensors)):
+            self.receive([i], deadline - time.monotonic())
 
     def place(self, i: int) -> None:
         """Copy tensor ``i``'s staged rows into its destination rows."""
@@ -201,42 +240,22 @@ class Incoming(abc.ABC):
         if self.buffers is not None and len(self.placed) == len(self.tensors):
             self.buffers.give(self.buffer)  # every tensor placed: nothing lands here again
 
-    @abc.abstractmethod
-    def receive(self, indices: Sequence[int], timeout_s: float) -> None:
-        """Return once tensors ``indices`` are in their rows, or raise
-        :class:`TransferTimeoutError` (then nothing more is written to them)."""
-
-    @abc.abstractmethod
-    def abandon(self) -> None:
-        """Give up: keep what a late arrival could still write to until the link closes."""
-
-    def cancel(self, timeout_s: float) -> None:
-        """The sender refused the transfer: take back what was posted for it.
-
-        A transport that posted receives waits for the sender's drain, then
-        releases the staging buffer; the default (nothing posted early) just
-        abandons the transfer.
-
-        Raises:
-            TransferTimeoutError: the drain did not arrive in ``timeout_s``
-                (the transfer is abandoned).
-        """
-        self.abandon()
-
 
 class Endpoint(abc.ABC):
     """One link's transport.
 
     Where ``posts_early`` is true, ``incoming`` needs no sender descriptor,
-    so a receiver may build it before it asks, and :meth:`drain` completes
-    the messages of a refused transfer.
+    so a receiver may build it before it asks; where ``drains`` is true too,
+    a sender that refuses the transfer completes the receiver's posted
+    messages with :meth:`drain`.
     """
 
     posts_early: bool = False
+    drains: bool = False
 
-    @abc.abstractmethod
     def drain(self, tag: int, starts: Sequence[int], timeout_s: float) -> None:
-        """Complete the receiver's early-posted messages ``starts`` of ``tag`` with nothing.
+        """Complete the receiver's early-posted messages ``starts`` of ``tag`` with nothing
+        (only where ``drains``; elsewhere there is nothing to complete).
 
         Raises:
             TransferTimeoutError: they did not complete in ``timeout_s`` (the
@@ -244,6 +263,7 @@ class Endpoint(abc.ABC):
                 link closes).
             LinkFailedError: the transport is closed.
         """
+        raise FeatureNotEnabledError(f"{type(self).__name__} posts nothing it must drain")
 
     @abc.abstractmethod
     def outgoing(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], tag: int,
@@ -260,6 +280,20 @@ class Endpoint(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Tear the transport down (pending operations fail)."""
+
+
+def start_store_server(host: str, port: int, timeout_s: float) -> Any:
+    """A ``TCPStore`` server on ``host:port`` (port 0 picks one; see ``.port``): the
+    rendezvous of the ``torch.distributed`` transports.
+
+    Raises:
+        LinkFailedError: the address cannot be bound.
+    """
+    try:
+        return TCPStore(host, port, is_master=True, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=timeout_s))
+    except (dist.DistError, RuntimeError, OSError) as exc:
+        raise LinkFailedError(f"cannot listen on {host}:{port}: {exc}") from None
 
 
 def create_process_group(kind: str, store: Any, rank: int, timeout_s: float) -> Any:
@@ -367,7 +401,7 @@ class _TorchOutgoing(Outgoing):
         self.pending = []
 
 
-class _TorchIncoming(Incoming):
+class _TorchIncoming(StagedIncoming):
     def __init__(self, endpoint: TorchEndpoint, tensors: Sequence[torch.Tensor],
                  rows: Sequence[int], tag: int, layers: Sequence[Sequence[int]]) -> None:
         super().__init__(tensors, rows, endpoint.wire_device, endpoint.buffers)
@@ -398,14 +432,15 @@ class _TorchIncoming(Incoming):
         for i in indices:
             self.place(i)
 
-    def abandon(self) -> None:
-        self.endpoint.abandoned.append((self.works, self.buffer))
+    def abandon(self, on_settled: Callable[[], None]) -> None:
+        self.endpoint.abandoned.append((self.works, self.buffer))  # late data lands there
+        on_settled()
 
     def cancel(self, timeout_s: float) -> None:
         try:
             self._arrive(self.works.values(), timeout_s, "draining")
         except TransferTimeoutError:
-            self.abandon()
+            self.abandon(lambda: None)
             raise
         if self.buffers is not None:
             self.buffers.give(self.buffer)  # the drain wrote nothing; nothing will
@@ -425,7 +460,7 @@ class TorchEndpoint(Endpoint):
         self.wire_device = torch.device("cpu") if kind == "gloo" else device
         self.abandoned: list[Any] = []
         self.buffers = BufferPool()
-        self.posts_early = kind == "gloo"  # nccl/hccl: a zero-byte drain is not verified
+        self.posts_early = self.drains = kind == "gloo"  # nccl/hccl: an empty drain is unverified
         self.sender = ThreadPoolExecutor(1, thread_name_prefix="kvfunc-send") \
             if self.wire_device.type == "cpu" else None  # device sends never write inline
 
@@ -444,8 +479,12 @@ class TorchEndpoint(Endpoint):
             raise LinkFailedError(f"the transport is closed: {exc!r:.200}") from None
 
     def wait_sent(self, handle: Any, timeout_s: float) -> None:
-        """Return once the send behind ``handle`` has left, or raise
-        :class:`TransferTimeoutError`."""
+        """Return once the send behind ``handle`` has left.
+
+        Raises:
+            TransferTimeoutError: not within ``timeout_s``.
+            LinkFailedError: the link closed before the send was posted.
+        """
         deadline = time.monotonic() + timeout_s
         if isinstance(handle, Future):
             try:
@@ -453,7 +492,8 @@ class TorchEndpoint(Endpoint):
             except FutureTimeout:
                 raise TransferTimeoutError("sending was not posted in time") from None
             except (RuntimeError, CancelledError) as exc:  # the link is closing
-                raise TransferTimeoutError(f"sending failed: {exc!r:.200}") from None
+                raise LinkFailedError(f"the link closed while sending: {exc!r:.200}") \
+                    from None
         _wait(handle, deadline - time.monotonic(), "sending", self.wire_device)
 
     def drain(self, tag: int, starts: Sequence[int], timeout_s: float) -> None:

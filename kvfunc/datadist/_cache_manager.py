@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from kvfunc.datadist import _push, _transfer
 from kvfunc.datadist import _registry as reg
-from kvfunc.datadist import _transfer
 from kvfunc.datadist._errors import (
     DataDistFailedError,
     InvalidParamError,
@@ -260,11 +260,7 @@ class CacheManager:
         self._require(LLMRole.PROMPT, "push_cache")
         src = self._push_source(dst_cache_key, src_cache, blocks=False)
         rows = check_rows("src_batch_index", [src_batch_index], src.cache_desc.num_rows)
-        target = _transfer.PushTarget(self._link_to(dst_cache_key.cluster_id),
-                                      dst_cache_key.cache_id, (dst_cache_key.batch_index,),
-                                      False)
-        _transfer.push(self, [target], self._internal[src.cache_id], rows,
-                       [list(range(src.cache_desc.num_tensors))], None, self._timeout_s)
+        self._push_all(src, dst_cache_key, rows, (dst_cache_key.batch_index,))
 
     def push_blocks(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
                     src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
@@ -273,10 +269,14 @@ class CacheManager:
         src = self._push_source(dst_cache_key, src_cache, blocks=True)
         rows, dst = _block_lists(src_blocks, dst_blocks)
         check_rows("src_blocks", rows, src.cache_desc.num_rows)
-        target = _transfer.PushTarget(self._link_to(dst_cache_key.cluster_id),
-                                      dst_cache_key.cache_id, tuple(dst), True)
-        _transfer.push(self, [target], self._internal[src.cache_id], rows,
-                       [list(range(src.cache_desc.num_tensors))], None, self._timeout_s)
+        self._push_all(src, dst_cache_key, rows, tuple(dst))
+
+    def _push_all(self, src: Cache, key: CacheKeyByIdAndIndex, rows: list[int],
+                  dst_rows: tuple[int, ...]) -> None:
+        n = src.cache_desc.num_tensors
+        target = _push.PushTarget(self._link_to(key.cluster_id), key.cache_id, None, dst_rows,
+                                  src.is_blocks_cache, tuple(range(n)), tuple(rows))
+        _push.push(self, [target], self._internal[src.cache_id], n, None, self._timeout_s)
 
     def _push_source(self, key: object, cache: object, *, blocks: bool) -> Cache:
         if not isinstance(key, CacheKeyByIdAndIndex):
@@ -297,13 +297,23 @@ class CacheManager:
 
         Layer ``i`` (tensors ``i*t .. i*t+t-1``, ``t = tensor_num_per_layer``)
         is sent as soon as ``layer_synchronizer.synchronize_layer(i, timeout)``
-        returns True.  Blocks caches name ``src_blocks`` / ``dst_blocks``;
-        an ordinary cache sends batch entry 0 into ``dst_batch_index``.
+        returns True.  Each :class:`TransferConfig` names a decoder cache (by
+        its tensors' addresses, or by id) and may send a range of layers
+        (``src_layer_range``) and, from an ordinary cache, one entry
+        (``src_batch_index``).  Blocks caches name ``src_blocks`` /
+        ``dst_blocks``.
+
+        Raises:
+            InvalidParamError: a bad config (addresses that do not count the
+                tensors sent, a layer range past the cache, a batch index on
+                a blocks cache), bad blocks; nothing is sent.
+            NotLinkedError: a config's cluster is not linked.
         """
         self._require(LLMRole.PROMPT, "transfer_cache_async")
         src = self._own(src_cache, "src_cache")
         desc = src.cache_desc
-        layers = _transfer.layers_of(desc.num_tensors, tensor_num_per_layer)
+        t = tensor_num_per_layer
+        _transfer.layers_of(desc.num_tensors, t)  # checks t
         if not callable(getattr(layer_synchronizer, "synchronize_layer", None)):
             raise InvalidParamError("layer_synchronizer needs a synchronize_layer method")
         if isinstance(transfer_configs, TransferConfig) or not transfer_configs or \
@@ -315,11 +325,8 @@ class CacheManager:
             check_rows("src_blocks", rows, desc.num_rows)
         elif src_blocks is not None or dst_blocks is not None:
             raise InvalidParamError("src_blocks/dst_blocks apply to blocks caches only")
-        else:
-            rows = [0]
-        targets = [_transfer.PushTarget(self._link_to(c.dst_cluster_id), c.dst_cache_id,
-                                        tuple(dst) if src.is_blocks_cache
-                                        else (c.dst_batch_index,), src.is_blocks_cache)
+        targets = [self._target(src, c, t, rows if src.is_blocks_cache else None,
+                                tuple(dst) if src.is_blocks_cache else None)
                    for c in transfer_configs]
         timeout_ms = int(self._timeout_s * 1000)
 
@@ -332,8 +339,33 @@ class CacheManager:
                 raise TransferTimeoutError(f"layer {i} was not computed in {timeout_ms} ms")
 
         internal = self._internal[src.cache_id]
-        return CacheTask(lambda: _transfer.push(self, targets, internal, rows, layers,
-                                                wait_layer, self._timeout_s))
+        return CacheTask(lambda: _push.push(self, targets, internal, t, wait_layer,
+                                            self._timeout_s))
+
+    def _target(self, src: Cache, config: TransferConfig, t: int, rows: list[int] | None,
+                dst_rows: tuple[int, ...] | None) -> _push.PushTarget:
+        """The push target of one :class:`TransferConfig` (checked here, before any send)."""
+        desc = src.cache_desc
+        layers = config.src_layer_range or range(desc.num_tensors // t)
+        if layers.stop * t > desc.num_tensors:
+            raise InvalidParamError(f"src_layer_range {layers} passes the cache's "
+                                    f"{desc.num_tensors // t} layers")
+        tensors = tuple(range(layers.start * t, layers.stop * t))
+        addrs = config.dst_addrs if isinstance(config.dst_addrs, tuple) else None
+        if addrs is not None and len(addrs) != len(tensors):
+            raise InvalidParamError(f"{len(addrs)} dst_addrs for {len(tensors)} tensors sent "
+                                    "(one per tensor)")
+        if src.is_blocks_cache:
+            if config.src_batch_index:
+                raise InvalidParamError("src_batch_index applies to ordinary caches only")
+            src_rows = tuple(rows or ())
+        else:
+            src_rows = tuple(check_rows("src_batch_index", [config.src_batch_index],
+                                        desc.num_rows))
+            dst_rows = None if addrs is not None else (config.dst_batch_index,)
+        return _push.PushTarget(self._link_to(config.dst_cluster_id), config.dst_cache_id,
+                                addrs, dst_rows, src.is_blocks_cache, tensors, src_rows,
+                                layers.start)
 
     # -- used by the transfer code -------------------------------------------------------
     def _pin(self, cache_id: int) -> None:
@@ -348,6 +380,22 @@ class CacheManager:
             record, batch_index = reg.find_key(self._state, key)
             self._state = reg.pin_cache(self._state, record.cache_id)
             return self._internal[record.cache_id], batch_index
+
+    def _pin_addrs(self, addrs: Sequence[int]) -> tuple[Cache, list[int], int]:
+        """The live cache whose tensors ``addrs`` name, pinned; its tensor indices and the
+        row they name (see :meth:`Cache.locate`).
+
+        Raises:
+            InvalidParamError: no cache of this cluster, or not one cache, is named.
+        """
+        with self._lock:
+            for cache in self._internal.values():
+                found = cache.locate(addrs)
+                if found is not None:
+                    self._state = reg.pin_cache(self._state, cache.cache_id)
+                    return cache, *found
+        raise InvalidParamError(f"addresses {[hex(a) for a in addrs[:4]]} name no cache of "
+                                f"cluster {self._state.cluster_id}")
 
     def _pin_id(self, cache_id: int) -> Cache:
         with self._lock:

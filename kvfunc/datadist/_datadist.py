@@ -3,7 +3,8 @@
 A PROMPT cluster usually listens (``llm.listenIpInfo``) and DECODER
 clusters link to it; either role may listen or link, but a link always
 joins a PROMPT and a DECODER cluster.  One transport per cluster
-(``llm.TransferBackend``): a ``torch.distributed`` process group per link
+(``llm.TransferBackend``): the link's own TCP connection (``tcp``, the
+default for host memory), a ``torch.distributed`` process group per link
 (gloo, nccl, hccl) or the Mooncake transfer engine.
 """
 
@@ -15,14 +16,18 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch.distributed import DistError
 
-from kvfunc.core._errors import LLMError, LLMStatusCode
-from kvfunc.datadist import _transfer
+from kvfunc.core import LLMError, LLMStatusCode
+from kvfunc.datadist import _push
 from kvfunc.datadist._backends import Endpoint, TorchEndpoint, create_process_group
 from kvfunc.datadist._cache_manager import CacheManager
+from kvfunc.datadist._config import DataDistOptions, LLMClusterInfo
 from kvfunc.datadist._errors import (
     ClusterNumExceedError,
+    DataDistFailedError,
     FeatureNotEnabledError,
     InvalidParamError,
     LinkFailedError,
@@ -31,32 +36,34 @@ from kvfunc.datadist._errors import (
 from kvfunc.datadist._link import ROOT, Acceptor, Link, LinkContext, connect
 from kvfunc.datadist._pool import MemoryPool
 from kvfunc.datadist._registry import RegistryState
+from kvfunc.datadist._tcp import TcpEndpoint
 from kvfunc.datadist._types import (
     ClusterInfo,
-    DataDistOptions,
     LLMRole,
     Placement,
     check_id,
 )
-from kvfunc.shell._device import resolve_device
+from kvfunc.shell import resolve_device
 
 __all__ = ["MAX_CLUSTERS_PER_CALL", "LLMDataDist"]
 
 MAX_CLUSTERS_PER_CALL = 16
-_DEFAULT_TRANSPORT = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_DEFAULT_TRANSPORT = {"cpu": "tcp", "cuda": "nccl", "npu": "hccl"}
 
 
 class LLMDataDist:
     """A prefill (PROMPT) or decode (DECODER) cluster of LLM-DataDist.
 
+    LLM-DataDist's form is ``LLMDataDist(role, cluster_id)`` then
+    ``init(options)``; kvfunc also takes the options in the constructor.
+
     Args:
         role: ``LLMRole.PROMPT`` or ``LLMRole.DECODER``.
         cluster_id: this cluster's id (peers name it in keys and links).
-        options: see :class:`DataDistOptions` (``llm.MemPoolConfig``,
-            ``llm.listenIpInfo``, ``llm.SyncKvCacheWaitTime``, ...).
+        options: if given, ``init(options)`` is called at once.
 
-    >>> dd = LLMDataDist(LLMRole.DECODER, 1, {"llm.MemPoolConfig": '{"memory_size": 65536}',
-    ...                                       "llm.Device": "cpu"})
+    >>> dd = LLMDataDist(LLMRole.DECODER, 1)
+    >>> dd.init({"ge.flowGraphMemMaxSize": "65536", "llm.Device": "cpu"})
     >>> dd.cache_manager.state.pools[Placement.DEVICE].size, dd.linked_clusters()
     (65536, ())
     >>> dd.finalize()
@@ -68,20 +75,42 @@ class LLMDataDist:
             raise InvalidParamError(f"role must be an LLMRole, got {role!r}")
         check_id("cluster_id", cluster_id)
         self.role, self.cluster_id = role, cluster_id
-        self.options = opts = DataDistOptions.from_mapping(options)
-        self.device = resolve_device(opts.device)
-        self.transport = opts.transport or _DEFAULT_TRANSPORT.get(self.device.type, "gloo")
-        configs = {p: c for p, c in ((Placement.DEVICE, opts.device_pool),
-                                     (Placement.HOST, opts.host_pool)) if c is not None}
-        self._pool = MemoryPool(configs, self.device)
-        state = RegistryState.create(role, cluster_id, {p: (c.memory_size, c.page_size)
-                                                        for p, c in configs.items()})
-        self._timeout_s = opts.sync_timeout_ms / 1000
         self._links: dict[int, Link] = {}
         self._retired: list[Link] = []  # closed by the peer: joined at finalize
         self._lock = threading.Lock()
-        self._finalized = False
-        self.cache_manager = CacheManager(state, self._pool, self._link_to, self._timeout_s)
+        self._initialized = self._finalized = False
+        self._acceptor: Acceptor | None = None
+        if options is not None:
+            self.init(options)
+
+    def init(self, options: Mapping[str, object]) -> None:
+        """Allocate the pools, start the transport and listen (if asked); once only.
+
+        Args:
+            options: see :class:`DataDistOptions` (``ge.flowGraphMemMaxSize``
+                or ``llm.MemPoolConfig``, ``llm.listenIpInfo``,
+                ``llm.SyncKvCacheWaitTime``, ...).
+
+        Raises:
+            InvalidParamError: an unknown option or a bad value (nothing started).
+            LinkFailedError: the listening address cannot be bound.
+        """
+        self._check_open()
+        if self._initialized:
+            return
+        opts = DataDistOptions.from_mapping(options)
+        device = resolve_device(opts.device)
+        if opts.device_id is not None and device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, opts.device_id)
+        self.options, self.device = opts, device
+        self.transport = opts.transport or _DEFAULT_TRANSPORT.get(device.type, "tcp")
+        configs = {p: c for p, c in ((Placement.DEVICE, opts.device_pool),
+                                     (Placement.HOST, opts.host_pool)) if c is not None}
+        self._pool = MemoryPool(configs, device)
+        state = RegistryState.create(self.role, self.cluster_id,
+                                     {p: (c.memory_size, c.page_size) for p, c in configs.items()})
+        self._timeout_s = opts.sync_timeout_ms / 1000
+        self._cache_manager = CacheManager(state, self._pool, self._link_to, self._timeout_s)
         self._engine: Any = None
         session = None
         if self.transport == "mooncake":
@@ -91,11 +120,19 @@ class LLMDataDist:
             self._engine = MooncakeEngine(host, list(self._pool.buffers.values()))
             session = self._engine.session
         self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvfunc-serve")
-        self._ctx = LinkContext(cluster_id, role, self.transport, self.device, self._timeout_s,
-                                session, self._make_endpoint,
-                                lambda link, m: _transfer.dispatch(self.cache_manager, link, m),
+        self._ctx = LinkContext(self.cluster_id, self.role, self.transport, device,
+                                self._timeout_s, session, self._make_endpoint,
+                                lambda link, m: _push.dispatch(self._cache_manager, link, m),
                                 self._on_up, self._on_down, self._executor)
-        self._acceptor = None if opts.listen is None else Acceptor(self._ctx, *opts.listen)
+        self._initialized = True
+        if opts.listen is not None:
+            self._acceptor = Acceptor(self._ctx, *opts.listen)
+
+    @property
+    def cache_manager(self) -> CacheManager:
+        """The cache manager (after :meth:`init`)."""
+        self._check_init()
+        return self._cache_manager
 
     @property
     def kv_cache_manager(self) -> CacheManager:
@@ -120,8 +157,13 @@ class LLMDataDist:
             if session is None:
                 raise LinkFailedError("the peer announced no Mooncake session")
             return MooncakeEndpoint(self._engine, session)
-        store = TCPStore(link.host, link.port, is_master=False,
-                         timeout=datetime.timedelta(seconds=self._timeout_s))
+        if self.transport == "tcp":
+            return TcpEndpoint(link.channel)
+        try:
+            store = TCPStore(link.host, link.store_port, is_master=False,
+                             timeout=datetime.timedelta(seconds=self._timeout_s))
+        except (DistError, RuntimeError) as exc:
+            raise LinkFailedError(f"cannot reach the rendezvous store: {exc}") from None
         prefix = PrefixStore(f"{ROOT}/link/{link.link_id}/pg", store)
         group = create_process_group(self.transport, prefix, link.rank, self._timeout_s)
         return TorchEndpoint(group, self.transport, link.rank, self.device)
@@ -151,18 +193,21 @@ class LLMDataDist:
         return link
 
     @staticmethod
-    def _clusters(clusters: Sequence[ClusterInfo], timeout: int) -> None:
-        if isinstance(clusters, ClusterInfo) or not isinstance(clusters, Sequence) or \
-                not all(isinstance(c, ClusterInfo) for c in clusters):
-            raise InvalidParamError("clusters must be a list of ClusterInfo")
+    def _clusters(clusters: Sequence[ClusterInfo | LLMClusterInfo], timeout: int
+                  ) -> list[ClusterInfo]:
+        if isinstance(clusters, ClusterInfo | LLMClusterInfo) or \
+                not isinstance(clusters, Sequence) or \
+                not all(isinstance(c, ClusterInfo | LLMClusterInfo) for c in clusters):
+            raise InvalidParamError("clusters must be a list of ClusterInfo or LLMClusterInfo")
         if len(clusters) > MAX_CLUSTERS_PER_CALL:
             raise ClusterNumExceedError(f"{len(clusters)} clusters in one call; at most "
                                         f"{MAX_CLUSTERS_PER_CALL}")
         if type(timeout) is not int or timeout <= 0:
             raise InvalidParamError(f"timeout must be a positive number of ms, got {timeout!r}")
+        return [c.to_cluster_info() if isinstance(c, LLMClusterInfo) else c for c in clusters]
 
-    def link_clusters(self, clusters: Sequence[ClusterInfo], timeout: int = 3000
-                      ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    def link_clusters(self, clusters: Sequence[ClusterInfo | LLMClusterInfo],
+                      timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Link to listening clusters (at most 16 per call), ``timeout`` ms each.
 
         Returns:
@@ -173,10 +218,9 @@ class LLMDataDist:
             ClusterNumExceedError: more than 16 clusters.
             InvalidParamError: not a list of ``ClusterInfo``, bad timeout.
         """
-        self._check_open()
-        self._clusters(clusters, timeout)
+        self._check_init()
         codes = []
-        for cluster in clusters:
+        for cluster in self._clusters(clusters, timeout):
             if cluster.remote_cluster_id in self.linked_clusters():
                 codes.append(LLMStatusCode.LLM_ALREADY_LINK)
                 continue
@@ -189,17 +233,22 @@ class LLMDataDist:
             codes.append(LLMStatusCode.LLM_SUCCESS)
         return _overall(codes), codes
 
-    def unlink_clusters(self, clusters: Sequence[ClusterInfo], timeout: int = 3000
+    def unlink_clusters(self, clusters: Sequence[ClusterInfo | LLMClusterInfo],
+                        timeout: int = 3000, force: bool = False
                         ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Close links (at most 16 per call); the peer is told, if it is still there.
+
+        ``force`` is accepted as LLM-DataDist's: this side's link always goes,
+        whether or not the peer answers.
 
         Returns:
             ``(overall, per_cluster)``; ``LLM_NOT_YET_LINK`` for a cluster
             that was not linked.
         """
-        self._clusters(clusters, timeout)
+        if type(force) is not bool:
+            raise InvalidParamError(f"force must be a bool, got {force!r}")
         codes = []
-        for cluster in clusters:
+        for cluster in self._clusters(clusters, timeout):
             with self._lock:
                 link = self._links.pop(cluster.remote_cluster_id, None)
             if link is None:
@@ -215,17 +264,25 @@ class LLMDataDist:
         if self._finalized:
             raise FeatureNotEnabledError("this LLMDataDist was finalized")
 
+    def _check_init(self) -> None:
+        self._check_open()
+        if not self._initialized:
+            raise DataDistFailedError("this LLMDataDist is not initialized: call init(options)")
+
     def finalize(self) -> None:
         """Close every link, stop listening and release the pool (idempotent)."""
         if self._finalized:
             return
         self._finalized = True
+        if not self._initialized:
+            return
         with self._lock:
             links = list(self._links.values())
             self._links.clear()
         for link in links:
             link.close(notify_peer=True, wait=True)
         for link in self._retired:
+            link.close(notify_peer=False)
             link.join()
         if self._acceptor is not None:
             self._acceptor.close()
@@ -240,8 +297,9 @@ class LLMDataDist:
         self.finalize()
 
     def __repr__(self) -> str:
-        return (f"<LLMDataDist {self.role.name} cluster {self.cluster_id} over "
-                f"{self.transport}, linked to {list(self.linked_clusters())}>")
+        over = f"over {self.transport}" if self._initialized else "not initialized"
+        return (f"<LLMDataDist {self.role.name} cluster {self.cluster_id} {over}, linked to "
+                f"{list(self.linked_clusters())}>")
 
 
 def _overall(codes: list[LLMStatusCode]) -> LLMStatusCode:

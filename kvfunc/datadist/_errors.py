@@ -12,24 +12,26 @@ Pure: no torch.
 
 from __future__ import annotations
 
-from kvfunc.core._errors import LLMError, LLMStatusCode
+from kvfunc.core import LLMError, LLMStatusCode
 
 __all__ = [
     "AlreadyLinkedError",
     "CacheNotExistError",
     "ClusterNumExceedError",
+    "CodedError",
     "DataDistFailedError",
     "FeatureNotEnabledError",
     "InvalidParamError",
     "LinkFailedError",
     "NotLinkedError",
+    "PeerProtocolError",
     "PoolOutOfMemoryError",
     "TransferTimeoutError",
     "error_for",
 ]
 
 
-class _CodedError(LLMError):
+class CodedError(LLMError):
     """An :class:`LLMError` whose status code is fixed by its class (overridable)."""
 
     code = LLMStatusCode.LLM_FAILED
@@ -41,67 +43,72 @@ class _CodedError(LLMError):
         return str(self.args[0]) if self.args else ""
 
 
-class InvalidParamError(_CodedError, ValueError):
+class InvalidParamError(CodedError, ValueError):
     """A bad argument: wrong type or value, mismatched descs, wrong role (LLM_PARAM_INVALID)."""
 
     code = LLMStatusCode.LLM_PARAM_INVALID
 
 
-class PoolOutOfMemoryError(_CodedError, MemoryError):
+class PoolOutOfMemoryError(CodedError, MemoryError):
     """The memory pool cannot hold the cache (LLM_DEVICE_OUT_OF_MEMORY)."""
 
     code = LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
 
 
-class CacheNotExistError(_CodedError, KeyError):
+class CacheNotExistError(CodedError, KeyError):
     """No cache under that key or id: never made, already pulled or removed."""
 
     code = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 
 
-class TransferTimeoutError(_CodedError, TimeoutError):
+class TransferTimeoutError(CodedError, TimeoutError):
     """A transfer did not finish in time; the link is broken (LLM_WAIT_PROCESS_TIMEOUT)."""
 
     code = LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
 
 
-class NotLinkedError(_CodedError, ConnectionError):
+class NotLinkedError(CodedError, ConnectionError):
     """The cluster is not linked (LLM_NOT_YET_LINK)."""
 
     code = LLMStatusCode.LLM_NOT_YET_LINK
 
 
-class AlreadyLinkedError(_CodedError, ConnectionError):
+class AlreadyLinkedError(CodedError, ConnectionError):
     """The cluster is already linked (LLM_ALREADY_LINK)."""
 
     code = LLMStatusCode.LLM_ALREADY_LINK
 
 
-class LinkFailedError(_CodedError, ConnectionError):
+class LinkFailedError(CodedError, ConnectionError):
     """A link could not be made, or an earlier failure broke it (LLM_LINK_FAILED)."""
 
     code = LLMStatusCode.LLM_LINK_FAILED
 
 
-class ClusterNumExceedError(_CodedError, ValueError):
+class PeerProtocolError(LinkFailedError):
+    """The peer broke the link's protocol (a malformed, oversize or unexpected message);
+    the link is broken (LLM_LINK_FAILED)."""
+
+
+class ClusterNumExceedError(CodedError, ValueError):
     """More clusters in one link or unlink call than allowed (LLM_CLUSTER_NUM_EXCEED_LIMIT)."""
 
     code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
 
 
-class FeatureNotEnabledError(_CodedError, NotImplementedError):
+class FeatureNotEnabledError(CodedError, NotImplementedError):
     """A feature this instance was not configured for (LLM_FEATURE_NOT_ENABLED)."""
 
     code = LLMStatusCode.LLM_FEATURE_NOT_ENABLED
 
 
-class DataDistFailedError(_CodedError, RuntimeError):
+class DataDistFailedError(CodedError, RuntimeError):
     """Any other failure (LLM_FAILED, LLM_UNKNOWN_ERROR, ...)."""
 
     code = LLMStatusCode.LLM_FAILED
 
 
-_BY_CODE: dict[LLMStatusCode, type[_CodedError]] = {
+_BY_CODE: dict[LLMStatusCode, type[CodedError]] = {
     LLMStatusCode.LLM_PARAM_INVALID: InvalidParamError,
     LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY: PoolOutOfMemoryError,
     LLMStatusCode.LLM_OUT_OF_MEMORY: PoolOutOfMemoryError,

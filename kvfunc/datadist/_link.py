@@ -1,31 +1,42 @@
-"""Links between clusters: the handshake, the per-link service thread, teardown.
+"""Links between clusters: the handshake, the per-link serving, teardown.
 
 Theory of operation
 -------------------
-A cluster that listens (``llm.listenIpInfo``) runs a ``TCPStore`` server and
-an :class:`Acceptor` thread.  ``link_clusters`` on the other side connects
-to that store and shakes hands over the queue ``kvfunc/hello``::
+A cluster that listens (``llm.listenIpInfo``) runs an :class:`Acceptor`: a
+listening TCP socket and a thread that hands each new connection to a
+handshake thread (at most ``MAX_HANDSHAKES`` at once; more are closed).
+``link_clusters`` on the other side connects and shakes hands, every step
+within the link timeout::
 
-    linker                                   listener
-    hello/<n> = {cluster, role, transport} ->
-                                          <- welcome/<n> = {ok, cluster, role}
-    both build the transport for link <n> (a process group: rank 0 listens)
-                                          <- linked/<n> = {ok}  (registered)
+    linker                                    listener
+    {op: hello, v, cluster_id, role,      ->
+     transport, session, peer}
+                                          <-  {op: welcome, ok, cluster_id, role, link_id,
+                                               store_port}   (or an error reply)
+    both build the transport for link <link_id> (a process group: rank 0 listens)
+                                          <-  {op: linked, ok}  (registered)
 
-Each side of link ``n`` then owns a :class:`Link`: a channel under
-``kvfunc/link/<n>``, an inbox queue (``q<rank>``) read by a service thread
-that hands each request (a pull to serve, a push to receive) to a small
-thread pool, and the transport :class:`Endpoint`.  A request's later
-messages use keys of its own (``x/<tid>/...``), so transfers on one link
-run side by side; each side numbers its transfers in its own half of the
-tag space (:class:`TransferIds`).  A transfer that times out marks the link
-broken: the caller unlinks, links again and retries.
+The connection (:class:`~kvfunc.datadist._wire.Connection`) then carries
+the link's control messages and, on the ``tcp`` transport, its data.  Each
+side owns a :class:`Link`: its requests (a pull to serve, a push to
+receive) go to the cluster's thread pool, at most ``MAX_REQUESTS`` at a
+time per link; a request's later messages are replies at keys of its own
+(``x/<tid>/...``), so transfers on one link run side by side; each side
+numbers its transfers in its own half of the tag space (:class:`TransferIds`).
+
+A link breaks when a transfer on it times out, when the peer breaks the
+protocol or closes the connection, or when serving one of its requests
+fails unexpectedly: its connection is shut down at once (every waiter
+wakes), and calls on it raise ``LLM_LINK_FAILED`` until the caller unlinks
+and links again.  An unlink tells the peer, whose side of the link goes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -35,13 +46,12 @@ from typing import Any
 import attrs
 import torch
 
-from kvfunc.core._errors import LLMError
-from kvfunc.datadist._backends import TAG_SPACE, Endpoint
-from kvfunc.datadist._channel import QueueReader, StoreChannel, start_store_server
+from kvfunc.core import LLMError
+from kvfunc.datadist._backends import TAG_SPACE, Endpoint, start_store_server
 from kvfunc.datadist._errors import (
     InvalidParamError,
     LinkFailedError,
-    TransferTimeoutError,
+    PeerProtocolError,
 )
 from kvfunc.datadist._protocol import (
     PROTOCOL_VERSION,
@@ -51,11 +61,17 @@ from kvfunc.datadist._protocol import (
     raise_if_error,
 )
 from kvfunc.datadist._types import ClusterInfo, LLMRole
+from kvfunc.datadist._wire import POLL_S, Connection
 
-__all__ = ["Acceptor", "Link", "LinkContext", "TransferIds", "connect"]
+__all__ = ["MAX_HANDSHAKES", "MAX_REQUESTS", "Acceptor", "Link", "LinkContext", "TransferIds",
+           "connect"]
 
 log = logging.getLogger("kvfunc.datadist")
 ROOT = "kvfunc"
+MAX_HANDSHAKES = 16  # links being made at once by one listener
+MAX_REQUESTS = 64  # requests of one link being served at once
+HELLO_BYTES = 1 << 16
+_TORCH = ("gloo", "nccl", "hccl")
 
 
 @attrs.frozen
@@ -122,22 +138,24 @@ class TransferIds:
 
 
 class Link:
-    """One end of a link to ``peer_cluster_id`` (see the module docstring)."""
+    """One end of a link to ``peer_cluster_id`` (see the module docstring).
+
+    ``host`` and ``store_port`` locate the listener's rendezvous store, which
+    only the ``torch.distributed`` transports use.
+    """
 
     def __init__(self, ctx: LinkContext, peer_cluster_id: int, rank: int, link_id: int,
-                 host: str, port: int) -> None:
+                 conn: Connection, host: str, store_port: int) -> None:
         self.ctx, self.peer_cluster_id, self.rank, self.link_id = ctx, peer_cluster_id, rank, \
             link_id
-        self.host, self.port = host, port
-        self.channel = StoreChannel(host, port, f"{ROOT}/link/{link_id}", ctx.timeout_s)
+        self.host, self.store_port = host, store_port
+        self.channel = conn
         self.endpoint: Endpoint | None = None
         self.broken: str | None = None
         self.closed = False
         self._serving: set[Future[None]] = set()
         self._serving_lock = threading.Lock()
         self._tids = TransferIds(rank)
-        self._thread = threading.Thread(target=self._serve, daemon=True,
-                                        name=f"kvfunc-link{link_id}-inbox")
 
     @property
     def transport(self) -> Endpoint:
@@ -146,8 +164,8 @@ class Link:
         return self.endpoint
 
     def post(self, message: dict[str, Any]) -> None:
-        """Send a request to the peer's inbox."""
-        self.channel.post(f"q{1 - self.rank}", message)
+        """Send a request to the peer."""
+        self.channel.post(message)
 
     def new_tid(self, num_tags: int) -> int:
         """A transfer id unique on this link, followed by ``num_tags - 1`` free tags."""
@@ -167,44 +185,35 @@ class Link:
             raise LinkFailedError(f"the link to cluster {self.peer_cluster_id} is closed")
 
     def mark_broken(self, reason: str) -> None:
-        """Remember that the link failed; later transfers on it raise until relinked."""
-        if self.broken is None:
-            log.warning("link to cluster %d broken: %s", self.peer_cluster_id, reason)
-            self.broken = reason
+        """Break the link: shut its connection down (every waiter wakes, no late data
+        lands) and make later transfers on it raise until relinked."""
+        if self.broken is not None or self.closed:
+            return
+        log.warning("link to cluster %d broken: %s", self.peer_cluster_id, reason)
+        self.broken = reason
+        self.channel.fail(LinkFailedError(f"the link to cluster {self.peer_cluster_id} "
+                                          f"broke: {reason}"))
 
     def start(self) -> None:
-        """Start reading the inbox."""
-        self._thread.start()
+        """Start reading the connection."""
+        self.channel.start(self._on_request, lambda error: self.mark_broken(str(error)))
 
-    def _serve(self) -> None:
-        reader = QueueReader(self.channel, f"q{self.rank}")
-        while True:
-            try:
-                message = reader.next()
-            except TransferTimeoutError:
-                continue
-            except InvalidParamError as exc:
-                log.warning("ignored a malformed message from cluster %d: %s",
-                            self.peer_cluster_id, exc)
-                continue
-            except LinkFailedError as exc:
-                if not self.closed:
-                    self.mark_broken(str(exc))
-                return
-            op = message.get("op")
-            if op == "close":
-                return
-            if op == "unlink":
-                self.close(notify_peer=False)
-                self.ctx.on_down(self)
-                return
+    def _on_request(self, message: dict[str, Any]) -> None:
+        """A request from the peer (the reading thread): serve it on the pool."""
+        if message["op"] == "unlink":
+            self.close(notify_peer=False)
+            self.ctx.on_down(self)
+            return
+        with self._serving_lock:
+            if len(self._serving) >= MAX_REQUESTS:
+                raise PeerProtocolError(f"cluster {self.peer_cluster_id} has over "
+                                        f"{MAX_REQUESTS} requests in flight")
             try:
                 future = self.ctx.executor.submit(self._handle, message)
             except RuntimeError:  # the executor was shut down: the cluster is closing
                 return
-            with self._serving_lock:
-                self._serving.add(future)
-            future.add_done_callback(self._served)
+            self._serving.add(future)
+        future.add_done_callback(self._served)
 
     def _served(self, future: Future[None]) -> None:
         with self._serving_lock:
@@ -213,150 +222,177 @@ class Link:
     def _handle(self, message: dict[str, Any]) -> None:
         try:
             self.ctx.dispatch(self, message)
-        except Exception:  # a handler's failure must not kill the link's pool
+        except Exception as exc:  # a handler's failure breaks the link, never the pool
             log.exception("request %r from cluster %d failed", message.get("op"),
                           self.peer_cluster_id)
+            self.mark_broken(f"serving a {message.get('op')!r} request failed: {exc!r:.200}")
 
     def close(self, *, notify_peer: bool, wait: bool = False) -> None:
-        """Stop serving, tell the peer (if asked) and tear down the transport.
+        """Stop serving, tell the peer (if asked) and tear the connection and transport down.
 
-        With ``wait``, also wait for the inbox thread and for requests being
-        served (each ends by its own deadline) before the transport goes.
+        With ``wait``, also wait for the requests being served (each ends by
+        its own deadline) before the transport goes.
         """
         if self.closed:
             return
         self.closed = True
-        for queue, message in (((f"q{1 - self.rank}", {"op": "unlink"}),) if notify_peer
-                               else ()) + ((f"q{self.rank}", {"op": "close"}),):
-            with contextlib.suppress(LLMError):  # the peer (or its store) is gone: nothing to tell
-                self.channel.post(queue, message)
+        if notify_peer:
+            with contextlib.suppress(LLMError):  # the peer is gone: nothing to tell
+                self.channel.send_control({"op": "unlink"}, min(self.ctx.timeout_s, 1.0))
         with self._serving_lock:
-            for future in self._serving:
-                future.cancel()
+            serving = list(self._serving)
+        for future in serving:
+            future.cancel()
         if wait:
-            self.join()
+            futures.wait(serving, timeout=self.ctx.timeout_s)
+        self.channel.close(linger_s=min(self.ctx.timeout_s, 1.0) if notify_peer else 0.0)
         if self.endpoint is not None:
             self.endpoint.close()
 
     def join(self) -> None:
-        """Wait for the inbox thread and the requests being served (after :meth:`close`)."""
-        if self._thread is threading.current_thread():
-            return
+        """Wait for the requests being served (after :meth:`close`)."""
         with self._serving_lock:
             serving = list(self._serving)
         futures.wait(serving, timeout=self.ctx.timeout_s)
-        if self._thread.is_alive():
-            self._thread.join(self.ctx.timeout_s)
 
 
-def _hello(ctx: LinkContext, peer: int) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "cluster_id": ctx.cluster_id, "role": ctx.role.name,
-            "transport": ctx.transport, "session": ctx.session, "peer": peer}
+def _hello(ctx: LinkContext, op: str, peer: int) -> dict[str, Any]:
+    return {"op": op, "v": PROTOCOL_VERSION, "cluster_id": ctx.cluster_id,
+            "role": ctx.role.name, "transport": ctx.transport, "session": ctx.session,
+            "peer": peer}
 
 
-def _read_peer(ctx: LinkContext, message: dict[str, Any]) -> tuple[int, str | None]:
+def _read_peer(ctx: LinkContext, message: dict[str, Any], op: str) -> tuple[int, str | None]:
     """Check a hello or welcome; the peer's cluster id and transport session."""
+    if message.get("op") != op:
+        raise PeerProtocolError(f"expected a {op!r}, got {message.get('op')!r:.80}")
     if get_int(message, "v") != PROTOCOL_VERSION:
         raise LinkFailedError(f"protocol version {message['v']} != {PROTOCOL_VERSION}")
     role = get_str(message, "role")
     if role == ctx.role.name or role not in LLMRole.__members__:
         raise LinkFailedError(f"a {ctx.role.name} cluster links only to the other role, "
-                              f"not to {role!r}")
+                              f"not to {role!r:.80}")
     transport = get_str(message, "transport")
     if transport != ctx.transport:
-        raise LinkFailedError(f"transports differ: {transport!r} here {ctx.transport!r}")
+        raise LinkFailedError(f"transports differ: {transport!r:.80} here {ctx.transport!r}")
     session = message.get("session")
-    if session is not None and not isinstance(session, str):
+    if session is not None and (not isinstance(session, str) or len(session) > 256):
         raise InvalidParamError(f"bad transport session {session!r:.80}")
     return get_int(message, "cluster_id"), session
 
 
 def connect(ctx: LinkContext, cluster: ClusterInfo, timeout_s: float) -> Link:
-    """Link to a listening cluster (this side is rank 1).
+    """Link to a listening cluster (this side is rank 1), every step within ``timeout_s``.
 
     Raises:
         LinkFailedError: unreachable, wrong cluster or role, refused, or the
-            transport could not be built in ``timeout_s``.
+            transport could not be built in time.
     """
     host, port = cluster.remote_ip, cluster.remote_port
-    root = StoreChannel(host, port, ROOT, timeout_s)
     try:
-        link_id = root.add("hello/n", 1)
-        root.put(f"hello/{link_id}", _hello(ctx, cluster.remote_cluster_id))
-        welcome = raise_if_error(root.take(f"welcome/{link_id}", timeout_s))
-        peer, session = _read_peer(ctx, welcome)
-    except TransferTimeoutError as exc:
-        raise LinkFailedError(f"cluster {cluster.remote_cluster_id} at {host}:{port} did "
-                              f"not answer: {exc}") from None
-    if peer != cluster.remote_cluster_id:
-        raise LinkFailedError(f"{host}:{port} is cluster {peer}, not "
-                              f"{cluster.remote_cluster_id}")
-    link = Link(ctx, peer, 1, link_id, host, port)
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as exc:
+        raise LinkFailedError(f"cannot reach cluster {cluster.remote_cluster_id} at "
+                              f"{host}:{port}: {exc}") from None
+    conn = Connection(sock, f"link to cluster {cluster.remote_cluster_id}", ctx.timeout_s)
+    link = None
     try:
+        conn.send_control(_hello(ctx, "hello", cluster.remote_cluster_id), timeout_s)
+        welcome = raise_if_error(conn.read_control(timeout_s, HELLO_BYTES))
+        peer, session = _read_peer(ctx, welcome, "welcome")
+        if peer != cluster.remote_cluster_id:
+            raise LinkFailedError(f"{host}:{port} is cluster {peer}, not "
+                                  f"{cluster.remote_cluster_id}")
+        link = Link(ctx, peer, 1, get_int(welcome, "link_id"), conn, host,
+                    get_int(welcome, "store_port", 0, 65535))
         link.endpoint = ctx.make_endpoint(link, session)
-        raise_if_error(root.take(f"linked/{link_id}", timeout_s))
+        raise_if_error(conn.read_control(timeout_s, HELLO_BYTES))
     except (LLMError, RuntimeError) as exc:
-        link.close(notify_peer=True)
+        if link is not None:
+            link.close(notify_peer=False)
+        conn.close()
         if isinstance(exc, LinkFailedError):
             raise
-        raise LinkFailedError(f"building the link to cluster {peer} failed: {exc}") from None
+        raise LinkFailedError(f"linking to cluster {cluster.remote_cluster_id} failed: "
+                              f"{exc}") from None
     link.start()
     return link
 
 
 class Acceptor:
-    """The listening side: a store server and a thread that accepts links."""
+    """The listening side: a TCP server socket and a thread that accepts links."""
 
     def __init__(self, ctx: LinkContext, host: str, port: int) -> None:
         self.ctx = ctx
-        self.server = start_store_server(host, port, ctx.timeout_s)
+        try:
+            self.server = socket.create_server((host, port), backlog=MAX_HANDSHAKES)
+        except OSError as exc:
+            raise LinkFailedError(f"cannot listen on {host}:{port}: {exc}") from None
+        self.server.settimeout(POLL_S)
         self.host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        self.port = int(self.server.port)
-        self.root = StoreChannel(self.host, self.port, ROOT, ctx.timeout_s)
+        self.port = int(self.server.getsockname()[1])
+        self._store: Any = None  # the rendezvous store of torch transports, made once
+        self._ids = itertools.count(1)
+        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._closed = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvfunc-accept")
         self._thread.start()
 
-    def _run(self) -> None:
-        reader = QueueReader(self.root, "hello")
-        while True:
-            try:
-                message = reader.next()
-            except (TransferTimeoutError, InvalidParamError):
-                continue
-            except LinkFailedError:
-                return
-            if message.get("op") == "close":
-                return
-            link_id = reader.position
-            try:
-                peer, session = _read_peer(self.ctx, message)
-                if get_int(message, "peer") != self.ctx.cluster_id:
-                    raise LinkFailedError(f"this is cluster {self.ctx.cluster_id}, not "
-                                          f"{message['peer']}")
-                self.root.put(f"welcome/{link_id}", _hello(self.ctx, peer) | {"ok": True})
-            except LLMError as exc:
-                with contextlib.suppress(LLMError):
-                    self.root.put(f"welcome/{link_id}", error_reply(exc))
-                continue
-            threading.Thread(target=self._establish, args=(peer, session, link_id),
-                             daemon=True, name=f"kvfunc-accept{link_id}").start()
+    def _store_port(self) -> int:
+        if self.ctx.transport not in _TORCH:
+            return 0
+        if self._store is None:
+            self._store = start_store_server(self.host, 0, self.ctx.timeout_s)
+        return int(self._store.port)
 
-    def _establish(self, peer: int, session: str | None, link_id: int) -> None:
-        link = Link(self.ctx, peer, 0, link_id, self.host, self.port)
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed, or a connection that went away while queued
+                continue
+            if not self._slots.acquire(blocking=False):
+                log.warning("refused a connection: %d links are being made", MAX_HANDSHAKES)
+                sock.close()
+                continue
+            threading.Thread(target=self._handshake, args=(sock, next(self._ids)),
+                             daemon=True, name="kvfunc-handshake").start()
+
+    def _handshake(self, sock: socket.socket, link_id: int) -> None:
+        conn = Connection(sock, f"link {link_id}", self.ctx.timeout_s)
+        link = None
         try:
+            hello = conn.read_control(self.ctx.timeout_s, HELLO_BYTES)
+            peer, session = _read_peer(self.ctx, hello, "hello")
+            if get_int(hello, "peer") != self.ctx.cluster_id:
+                raise LinkFailedError(f"this is cluster {self.ctx.cluster_id}, not "
+                                      f"{hello['peer']}")
+            conn.name = f"link {link_id} from cluster {peer}"
+            link = Link(self.ctx, peer, 0, link_id, conn, self.host, self._store_port())
+            conn.send_control(_hello(self.ctx, "welcome", peer) | {
+                "ok": True, "link_id": link_id, "store_port": link.store_port})
             link.endpoint = self.ctx.make_endpoint(link, session)
         except (LLMError, RuntimeError) as exc:
-            log.warning("link %d from cluster %d failed: %s", link_id, peer, exc)
-            link.close(notify_peer=False)
+            log.warning("link %d refused or failed: %s", link_id, exc)
+            if isinstance(exc, LLMError) and link is None:
+                with contextlib.suppress(LLMError):
+                    conn.send_control(error_reply(exc))
+            if link is not None:
+                link.close(notify_peer=False)
+            conn.close()
             return
+        finally:
+            self._slots.release()
         self.ctx.on_up(link)
         link.start()
-        with contextlib.suppress(LLMError):
-            self.root.put(f"linked/{link_id}", {"ok": True})
+        with contextlib.suppress(LLMError):  # a failed send breaks the link: it is seen there
+            conn.send_control({"op": "linked", "ok": True})
 
     def close(self) -> None:
-        """Stop accepting and shut the store server down."""
-        with contextlib.suppress(LLMError):
-            self.root.post("hello", {"op": "close"})
-        self._thread.join(timeout=self.ctx.timeout_s)
-        del self.server
+        """Stop accepting (links already made stay) and drop the rendezvous store."""
+        self._closed = True
+        self.server.close()
+        self._thread.join(timeout=POLL_S * 4)
+        self._store = None

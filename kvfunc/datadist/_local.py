@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvfunc.core._errors import KVFuncError, LLMError
+from kvfunc.core import KVFuncError, LLMError
 from kvfunc.datadist._errors import InvalidParamError
 from kvfunc.datadist._pool import Cache
 from kvfunc.datadist._types import Placement
-from kvfunc.shell._blocks import copy_blocks as _copy_rows
-from kvfunc.shell._blocks import swap_blocks as _swap_rows
+from kvfunc.shell import copy_blocks as _copy_rows
+from kvfunc.shell import swap_blocks as _swap_rows
 
 __all__ = ["check_rows", "copy_blocks", "copy_cache", "swap_blocks"]
 

@@ -3,17 +3,24 @@
 One engine per cluster, started with peer-to-peer handshakes (no metadata
 server) over TCP, with the cluster's pools registered once.  A transfer is
 a one-sided **read by the receiver**: the sender's descriptor names the
-addresses of its tensors and its rows, the receiver reads them into a
-staging buffer (registered for the transfer) and copies them into its own
-rows.  The receiver drives every byte, so when it gives up (a deadline)
-nothing of this transfer is ever written to its destination rows; the
-staging buffer stays registered until the engine's read returns.
+addresses of its tensors and its rows, and the receiver reads them
+straight into its own destination rows (its pool is registered), one
+``(local, remote, length)`` triple per run of rows contiguous on both
+sides, every tensor of a layer in one batch: no staging, no copy of ours.
+
+The engine's read cannot be cancelled.  A receiver that gives up (its
+deadline) keeps the destination cache pinned until the read returns, so
+the cache's memory never goes to another cache while data may land in it;
+the blocks themselves belong to the engine's allocator, which must not
+reuse a timed-out transfer's blocks before the link is torn down
+(``docs/datadist.md``).  The engine trusts its peers: a registered pool
+can be read and written by any peer the engine talks to.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +37,7 @@ from kvfunc.datadist._protocol import get_int, get_ints
 __all__ = ["MooncakeEndpoint", "MooncakeEngine"]
 
 _ADDRESS_LIMIT = 1 << 62
+_BATCH = 256  # triples per engine batch: its TCP lanes queue a bounded number of slices
 
 
 class MooncakeEngine:
@@ -81,11 +89,16 @@ class _Outgoing(Outgoing):
 
 
 class _Incoming(Incoming):
+    """Reads the sender's rows straight into the destination rows (the pool is registered
+    with the engine): one ``(local, remote, length)`` triple per run of rows contiguous on
+    both sides, all tensors in one batch."""
+
     def __init__(self, engine: MooncakeEngine, session: str, tensors: Sequence[torch.Tensor],
                  rows: Sequence[int], descriptor: dict[str, Any]) -> None:
-        super().__init__(tensors, rows, torch.device("cpu"))
         self.engine, self.session = engine, session
-        row_bytes = self.staging[0][0].numel() * self.buffer.element_size() if rows else 0
+        self.tensors, self.rows = list(tensors), list(rows)
+        first = self.tensors[0]
+        row_bytes = first[0].numel() * first.element_size()
         if get_int(descriptor, "row_bytes") != row_bytes:
             raise InvalidParamError(f"the sender's rows are {descriptor['row_bytes']} bytes, "
                                     f"here {row_bytes}")
@@ -96,20 +109,19 @@ class _Incoming(Incoming):
             raise InvalidParamError("the sender's descriptor does not match this transfer")
         self.row_bytes = row_bytes
         self.lock = threading.Lock()
-        self.pending = 0  # reads in flight (they write into the staging buffer)
-        self.closing = self.released = False
-        self.received: set[int] = set()
-        engine.register(self.buffer)
+        self.pending = 0  # reads in flight (they write the destination rows)
+        self.settled: list[Callable[[], None]] = []
 
     def _runs(self, i: int) -> tuple[list[int], list[int], list[int]]:
         local, remote, lengths = [], [], []
-        base, rb = self.staging[i].data_ptr(), self.row_bytes
+        dst, rb = self.tensors[i].data_ptr(), self.row_bytes
         j = 0
-        while j < len(self.src_rows):
+        while j < len(self.rows):
             k = j + 1
-            while k < len(self.src_rows) and self.src_rows[k] == self.src_rows[k - 1] + 1:
+            while k < len(self.rows) and self.rows[k] == self.rows[k - 1] + 1 and \
+                    self.src_rows[k] == self.src_rows[k - 1] + 1:
                 k += 1
-            local.append(base + j * rb)
+            local.append(dst + self.rows[j] * rb)
             remote.append(self.addrs[i] + self.src_rows[j] * rb)
             lengths.append((k - j) * rb)
             j = k
@@ -129,8 +141,14 @@ class _Incoming(Incoming):
 
         def read() -> None:
             try:
-                result.append(self.engine.engine.batch_transfer_sync_read(
-                    self.session, local, remote, lengths))
+                for k in range(0, len(local), _BATCH):  # the engine queues a bounded number
+                    status = self.engine.engine.batch_transfer_sync_read(
+                        self.session, local[k:k + _BATCH], remote[k:k + _BATCH],
+                        lengths[k:k + _BATCH])
+                    if status:
+                        result.append(status)
+                        return
+                result.append(0)
             finally:
                 done.set()
                 self._finish()
@@ -142,28 +160,22 @@ class _Incoming(Incoming):
             raise TransferTimeoutError(f"reading from {self.session} took over {timeout_s} s")
         if result != [0]:
             raise TransferTimeoutError(f"reading from {self.session} failed (status {result})")
-        for i in indices:
-            self.place(i)
-        self.received.update(indices)
-        if len(self.received) == len(self.tensors):
-            self.abandon()  # all read: nothing will write the staging buffer again
 
     def _finish(self) -> None:
         with self.lock:
             self.pending -= 1
-        self._release()
+            actions = self.settled if not self.pending else []
+            self.settled = [] if not self.pending else self.settled
+        for action in actions:
+            action()
 
-    def _release(self) -> None:
+    def abandon(self, on_settled: Callable[[], None]) -> None:
+        """A read in flight cannot be cancelled: ``on_settled`` runs when it returns."""
         with self.lock:
-            if not self.closing or self.pending or self.released:
+            if self.pending:
+                self.settled.append(on_settled)
                 return
-            self.released = True
-        self.engine.unregister(self.buffer)
-
-    def abandon(self) -> None:
-        with self.lock:
-            self.closing = True
-        self._release()
+        on_settled()
 
 
 class MooncakeEndpoint(Endpoint):

@@ -25,8 +25,7 @@ from typing import Any
 
 import attrs
 
-from kvfunc.core._cache_info import ModelCacheInfo
-from kvfunc.core._state import NULL_BLOCK
+from kvfunc.core import NULL_BLOCK, ModelCacheInfo
 from kvfunc.datadist._cache_manager import CacheManager, CacheTask, LayerSynchronizer
 from kvfunc.datadist._errors import InvalidParamError
 from kvfunc.datadist._pool import Cache
@@ -38,7 +37,7 @@ from kvfunc.datadist._types import (
     LLMRole,
     TransferConfig,
 )
-from kvfunc.shell._tensors import plan_cache_tensors
+from kvfunc.shell import plan_cache_tensors
 
 __all__ = ["PagedCaches", "allocate_paged_caches", "check_paired", "pull_request_blocks",
            "push_request_blocks"]

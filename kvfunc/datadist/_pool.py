@@ -10,13 +10,14 @@ cache are back to back, which lets a batched operation treat them as one
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvfunc.datadist._errors import InvalidParamError
 from kvfunc.datadist._registry import CacheRecord
 from kvfunc.datadist._types import CacheDesc, Placement, PoolConfig
-from kvfunc.shell._device import resolve_device, torch_dtype
-from kvfunc.shell._tensors import empty_aligned
+from kvfunc.shell import empty_aligned, resolve_device, torch_dtype
 
 __all__ = ["Cache", "MemoryPool"]
 
@@ -82,6 +83,40 @@ class Cache:
     def per_device_tensor_addrs(self) -> list[list[int]]:
         """``[tensor_addrs]`` (one device per cluster here)."""
         return [self.tensor_addrs]
+
+    def locate(self, addrs: Sequence[int]) -> tuple[list[int], int] | None:
+        """The tensors and the row that ``addrs`` name in this cache, or None if the
+        first address is not in it.
+
+        Each address must be where a tensor's row ``r`` starts, the same ``r``
+        for all (a batch entry of an ordinary cache; 0 for a blocks cache,
+        whose rows a push names itself), and name each tensor once.
+
+        Raises:
+            InvalidParamError: the first address is in this cache but the
+                others do not name distinct tensors of it at one row.
+        """
+        desc = self.cache_desc
+        start = self.tensors[0].data_ptr() if self.tensors else 0
+        if not addrs or not start <= addrs[0] < start + desc.nbytes:
+            return None
+        tensors, rows = [], set()
+        for addr in addrs:
+            tensor, within = divmod(addr - start, desc.tensor_nbytes)
+            if not 0 <= tensor < desc.num_tensors or within % desc.row_nbytes:
+                raise InvalidParamError(f"address {addr:#x} is not where a row of a tensor "
+                                        f"of cache {self.cache_id} starts")
+            tensors.append(tensor)
+            rows.add(within // desc.row_nbytes)
+        if len(set(tensors)) != len(tensors) or len(rows) != 1:
+            raise InvalidParamError(f"addresses must name distinct tensors of cache "
+                                    f"{self.cache_id} at one row; they name tensors "
+                                    f"{tensors!r:.80} at rows {sorted(rows)!r:.80}")
+        row = rows.pop()
+        if self.is_blocks_cache and row:
+            raise InvalidParamError(f"address {addrs[0]:#x} names block {row} of blocks cache "
+                                    f"{self.cache_id}; name its tensors' starts")
+        return tensors, row
 
     def stacked(self) -> torch.Tensor:
         """All tensors as one ``[num_rows, num_tensors, row_bytes]`` byte view (not a copy)."""

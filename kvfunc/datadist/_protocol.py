@@ -11,13 +11,15 @@ as the class of that code (:func:`raise_if_error`).  Pure: no torch.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-from kvfunc.core._errors import LLMError, LLMStatusCode
+from kvfunc.core import LLMError, LLMStatusCode
 from kvfunc.datadist._errors import InvalidParamError, error_for
 from kvfunc.datadist._types import MAX_ID, BlocksCacheKey, CacheKey
 
 __all__ = [
+    "MAX_DEPTH",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "decode",
@@ -29,12 +31,17 @@ __all__ = [
     "get_str",
     "key_from_json",
     "key_to_json",
+    "nesting_depth",
     "raise_if_error",
 ]
 
-# 2: a pull's accept says whether it wants an ack; 3: a pull lists the receives posted
-PROTOCOL_VERSION = 3
-MAX_MESSAGE_BYTES = 64 << 20
+# 2: a pull's accept says whether it wants an ack; 3: a pull lists the receives posted;
+# 4: links are framed TCP connections (control and data), no store
+PROTOCOL_VERSION = 4
+MAX_MESSAGE_BYTES = 16 << 20  # a pull of 1M blocks lists ~8 MB of block ids
+MAX_DEPTH = 16  # kvfunc's own messages nest 4 deep
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, unrolled: linear
+_BRACKETS = re.compile(rb"[\[\]{}]")
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -46,8 +53,34 @@ def encode(message: dict[str, Any]) -> bytes:
     return json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
 
 
+def nesting_depth(raw: bytes, limit: int = MAX_DEPTH) -> int:
+    """How deep ``raw``'s JSON arrays and objects nest, counted up to ``limit + 1``.
+
+    Brackets inside strings do not count.  It reads no further than the
+    first place deeper than ``limit``, so a hostile 100,000-deep message costs
+    a few microseconds, and the parser never recurses past ``limit``.
+
+    >>> nesting_depth(b'{"a": [1, [2]], "b": "[[["}')
+    3
+    >>> nesting_depth(b"[" * 100_000, limit=16)
+    17
+    """
+    depth = deepest = 0
+    for match in _BRACKETS.finditer(_STRINGS.sub(b'""', raw)):
+        if match.group() in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+        else:
+            depth -= 1
+    return deepest
+
+
 def decode(raw: bytes) -> dict[str, Any]:
-    """A message received from a peer: must be a JSON object of bounded size.
+    """A message received from a peer: a JSON object of bounded size and depth.
+
+    Size and depth are checked before the parser sees the message.
 
     >>> decode(b'{"ok": true}')
     {'ok': True}
@@ -58,6 +91,8 @@ def decode(raw: bytes) -> dict[str, Any]:
     """
     if len(raw) > MAX_MESSAGE_BYTES:
         raise InvalidParamError(f"control message of {len(raw)} bytes is over the limit")
+    if nesting_depth(raw) > MAX_DEPTH:
+        raise InvalidParamError(f"control message nests deeper than {MAX_DEPTH}")
     try:
         message = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:

@@ -1,16 +1,17 @@
-"""Pulls and pushes over a link: the request, the checks, the data, the release.
+"""Pulls over a link, and what pulls and pushes share: the checks, the data, the release.
 
 Theory of operation
 -------------------
 The side that receives data always checks what it will write before any
 byte moves: a decoder checks its own destination blocks before it asks, a
 prompt cluster checks the key and the source blocks a decoder names, a
-decoder checks the cache and blocks a pushing prompt cluster names.  A
-transfer id ``tid`` (with one transport tag per tensor) keys the later
-messages of a request::
+decoder checks the cache and blocks a pushing prompt cluster names (see
+:mod:`._push`).  Each request is served only by the role that serves it:
+a PROMPT serves pulls, a DECODER takes pushes.  A transfer id ``tid``
+(with one transport tag per tensor) keys the later messages of a request::
 
     pull (decoder D asks prompt P)          push (P sends to D, layer by layer)
-    D posts its receives (gloo)
+    D posts its receives (tcp, gloo)
     D -> P  {op: pull, tid, key, rows,       P -> D  {op: push, tid, cache, rows}
              posted}
     P -> D  x/tid/accept {ok, sender, ack}   D -> P  x/tid/accept {ok}
@@ -20,24 +21,26 @@ messages of a request::
       P releases the key on ok, unpins,
       P -> D  x/tid/fin {ok}
 
-On a transport that receives without the sender's descriptor (gloo), the
-decoder posts its receives before it asks and lists them (``posted``), so
-the data flows as soon as P has it; a P that refuses the pull completes
-each posted receive with an empty message before it replies, and D takes
-its staging buffer back (:meth:`Incoming.cancel`).
+On a transport that receives without the sender's descriptor (tcp, gloo),
+the decoder posts its receives before it asks, so the data flows as soon
+as P has it.  On gloo it lists them (``posted``) and a P that refuses the
+pull completes each with an empty message before it replies; on tcp a
+refusal sends no data and D just unposts.
 
 A pull of a ``BlocksCacheKey`` has no key to release, so when the transport
-copies the source rows out before it posts its last message
+copies the source rows out before the transfer's last bytes leave
 (``Outgoing.copies_source``) P unpins right then and asks for no ack
 (``ack: false``): the data's arrival is D's proof of success, and the pull
 saves a round trip of two wake-ups.  A ``CacheKey`` pull keeps the ack, so
 the key is released before ``pull_cache`` returns.
 
 Both caches are pinned for the transfer (see :mod:`._registry`), so a
-concurrent ``deallocate_cache`` defers the release to the end.  A timeout
-or a vanished peer in the data phase raises ``LLM_WAIT_PROCESS_TIMEOUT``
-and marks the link broken; a check that fails on the peer comes back with
-the peer's status code and leaves the link usable.
+concurrent ``deallocate_cache`` defers the release to the end; a receiver
+unpins only once nothing of the transfer can write its rows any more
+(:func:`release_when_settled`).  A timeout or a vanished peer in the data
+phase raises ``LLM_WAIT_PROCESS_TIMEOUT``, a peer that breaks the protocol
+``LLM_LINK_FAILED``, and either breaks the link; a check that fails on the
+peer comes back with the peer's status code and leaves the link usable.
 """
 
 from __future__ import annotations
@@ -45,16 +48,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
-from kvfunc.core._errors import LLMError
+from kvfunc.core import LLMError
 from kvfunc.datadist._backends import Incoming
 from kvfunc.datadist._errors import (
     InvalidParamError,
     LinkFailedError,
+    PeerProtocolError,
     TransferTimeoutError,
 )
 from kvfunc.datadist._link import Link, log
@@ -68,12 +70,13 @@ from kvfunc.datadist._protocol import (
     key_to_json,
     raise_if_error,
 )
-from kvfunc.datadist._types import BlocksCacheKey, CacheDesc, CacheKey
+from kvfunc.datadist._types import BlocksCacheKey, CacheDesc, CacheKey, LLMRole
 
 if TYPE_CHECKING:
     from kvfunc.datadist._cache_manager import CacheManager
 
-__all__ = ["PushTarget", "check_compatible", "dispatch", "layers_of", "pull", "push"]
+__all__ = ["Deadline", "broken", "check_compatible", "check_role", "layers_of", "pull",
+           "put_quietly", "release_when_settled", "serve_pull"]
 
 LayerWait = Callable[[int], None]
 _MAX_MESSAGES = 1 << 16  # of one transfer (at most one per tensor)
@@ -103,11 +106,14 @@ def check_compatible(local: CacheDesc, peer: CacheDesc, what: str) -> None:
             f"{local.data_type.name}")
 
 
-class _Deadline:
+class Deadline:
+    """A point in time ``seconds`` from now; :meth:`left` is what remains of it."""
+
     def __init__(self, seconds: float) -> None:
         self.end = time.monotonic() + seconds
 
     def left(self) -> float:
+        """Seconds until the deadline (0 once passed)."""
         return max(self.end - time.monotonic(), 0.0)
 
 
@@ -123,13 +129,31 @@ class _Once:
             action()
 
 
-def _broken(link: Link, exc: LLMError, what: str) -> TransferTimeoutError:
+def broken(link: Link, exc: LLMError, what: str) -> LLMError:
+    """Break the link; the caller's error: a link closed (unlinked) under the transfer or
+    the peer's protocol violation as ``LLM_LINK_FAILED``, any other failure as a timeout
+    (``LLM_WAIT_PROCESS_TIMEOUT``)."""
     link.mark_broken(f"{what}: {exc}")
+    if link.closed:
+        return LinkFailedError(f"{what}: the link to cluster {link.peer_cluster_id} was "
+                               f"closed: {exc}")
+    if isinstance(exc, PeerProtocolError):
+        return PeerProtocolError(f"{what} with cluster {link.peer_cluster_id} failed: {exc}")
     return TransferTimeoutError(f"{what} with cluster {link.peer_cluster_id} did not finish "
                                 f"in time: {exc}")
 
 
-def _put_quietly(link: Link, key: str, message: dict[str, Any]) -> None:
+def release_when_settled(manager: CacheManager, incoming: Incoming | None, cache_id: int
+                         ) -> None:
+    """Unpin a destination cache once nothing of an abandoned transfer can write it (at
+    once when ``incoming`` is None: the transfer completed)."""
+    if incoming is None:
+        manager._unpin(cache_id)
+    else:  # until then its memory must not go to another cache
+        incoming.abandon(lambda: manager._unpin(cache_id))
+
+
+def put_quietly(link: Link, key: str, message: dict[str, Any]) -> None:
     with contextlib.suppress(LLMError):  # the peer is gone; its side ends by its timeout
         link.channel.put(key, message)
 
@@ -139,24 +163,24 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
          dst_rows: list[int], src_rows: list[int] | None, timeout_s: float) -> None:
     """Fetch the rows ``key`` names (and ``src_rows`` of a blocks cache) into ``dst_rows``."""
     link.check_usable()
-    deadline = _Deadline(timeout_s)
+    deadline = Deadline(timeout_s)
     desc = dst.cache_desc
     one_layer = [list(range(desc.num_tensors))]
+    transport = link.transport
     incoming: Incoming | None = None
     manager._pin(dst.cache_id)
     try:
         try:
             tid = link.new_tid(desc.num_tensors)
-            if link.transport.posts_early:  # the data flows as soon as the sender has it
-                incoming = link.transport.incoming(dst.tensors, dst_rows, tid, one_layer, None)
+            if transport.posts_early:  # the data flows as soon as the sender has it
+                incoming = transport.incoming(dst.tensors, dst_rows, tid, one_layer, None)
             link.post({"op": "pull", "tid": tid, "key": key_to_json(key), "src_rows": src_rows,
                        "n_rows": len(dst_rows), "desc": desc.to_json(),
-                       "posted": None if incoming is None else list(incoming.starts)})
+                       "posted": list(incoming.starts) if incoming is not None and
+                       transport.drains else None})
             accept = link.channel.take(f"x/{tid}/accept", deadline.left())
         except (TransferTimeoutError, LinkFailedError) as exc:
-            if incoming is not None:
-                incoming.abandon()
-            raise _broken(link, exc, "pull") from None
+            raise broken(link, exc, "pull") from None
         try:
             descriptor = raise_if_error(accept).get("sender")
             if not isinstance(descriptor, dict):
@@ -166,35 +190,34 @@ def pull(manager: CacheManager, link: Link, key: CacheKey | BlocksCacheKey, dst:
             if incoming is not None:  # give the posted receives back (a refusing peer
                 # drained them; an accept this side rejects still sends: it is discarded)
                 _cancel(link, incoming, deadline)
+                incoming = None
             raise
         if incoming is None:
-            incoming = link.transport.incoming(dst.tensors, dst_rows, tid, one_layer,
-                                               descriptor)
+            incoming = transport.incoming(dst.tensors, dst_rows, tid, one_layer, descriptor)
         try:
-            for i in range(desc.num_tensors):  # place tensor i while later ones arrive
-                incoming.receive([i], deadline.left())
+            incoming.receive_all(deadline.left())
         except (TransferTimeoutError, LinkFailedError) as exc:
-            incoming.abandon()
             if ack:
-                _put_quietly(link, f"x/{tid}/ack", {"ok": False})
-            raise _broken(link, exc, "pull") from None
+                put_quietly(link, f"x/{tid}/ack", {"ok": False})
+            raise broken(link, exc, "pull") from None
+        incoming = None  # all in place: nothing of it writes the rows any more
         if not ack:  # the prompt side unpinned before its last message left
             return
         try:  # returns once the prompt side released the key and its pin
             link.channel.put(f"x/{tid}/ack", {"ok": True})
             raise_if_error(link.channel.take(f"x/{tid}/fin", deadline.left()))
         except (TransferTimeoutError, LinkFailedError) as exc:
-            raise _broken(link, exc, "pull") from None
+            raise broken(link, exc, "pull") from None
     finally:
-        manager._unpin(dst.cache_id)
+        release_when_settled(manager, incoming, dst.cache_id)
 
 
-def _cancel(link: Link, incoming: Incoming, deadline: _Deadline) -> None:
+def _cancel(link: Link, incoming: Incoming, deadline: Deadline) -> None:
     """Take back the receives posted for a transfer the peer refused (and drained)."""
     try:
         incoming.cancel(deadline.left())
-    except TransferTimeoutError as exc:
-        _broken(link, exc, "pull")  # the refusal's own error is what the caller sees
+    except (TransferTimeoutError, LinkFailedError) as exc:
+        broken(link, exc, "pull")  # the refusal's own error is what the caller sees
 
 
 def _posted(link: Link, tid: int, message: dict[str, Any]) -> list[int] | None:
@@ -202,10 +225,10 @@ def _posted(link: Link, tid: int, message: dict[str, Any]) -> list[int] | None:
     if message.get("posted") is None:
         return None
     starts = get_ints(message, "posted", _MAX_MESSAGES, _MAX_MESSAGES)
-    if not link.transport.posts_early or starts[:1] != [0] or \
+    if not link.transport.drains or starts[:1] != [0] or \
             any(b <= a for a, b in itertools.pairwise(starts)):
         raise InvalidParamError(f"posted messages {starts!r:.80} must start at 0 and "
-                                "increase, on a transport that posts receives early")
+                                "increase, on a transport that drains refused pulls")
     link.check_peer_tid(tid, starts[-1] + 1)
     return starts
 
@@ -221,11 +244,12 @@ def _drain(link: Link, tid: int, message: dict[str, Any], timeout_s: float) -> N
                     link.peer_cluster_id, exc)
 
 
-def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:
+def serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:
     tid = get_int(message, "tid")
     timeout_s = manager._timeout_s
     pinned: Cache | None = None
     try:
+        check_role(manager, LLMRole.PROMPT, "pull")
         key = key_from_json(message.get("key"))
         peer_desc = CacheDesc.from_json(message.get("desc") or {})
         n_rows = get_int(message, "n_rows", 1, peer_desc.num_rows)
@@ -251,7 +275,7 @@ def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
         if pinned is not None:
             manager._unpin(pinned.cache_id)
         _drain(link, tid, message, timeout_s)  # before the reply: the receiver finds them done
-        _put_quietly(link, f"x/{tid}/accept", error_reply(exc))
+        put_quietly(link, f"x/{tid}/accept", error_reply(exc))
         return
     acked = False
     ack = isinstance(key, CacheKey) or not outgoing.copies_source
@@ -261,7 +285,7 @@ def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
     try:
         link.channel.put(f"x/{tid}/accept", {"ok": True, "sender": outgoing.descriptor,
                                              "ack": ack})
-        deadline = _Deadline(timeout_s)
+        deadline = Deadline(timeout_s)
         outgoing.send(range(local.num_tensors))
         outgoing.wait(deadline.left())
         if ack:
@@ -275,155 +299,12 @@ def _serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> N
             manager._release_key(key)
         unpin()
     if acked:
-        _put_quietly(link, f"x/{tid}/fin", {"ok": True})
+        put_quietly(link, f"x/{tid}/fin", {"ok": True})
 
 
-# -- push -------------------------------------------------------------------------------
-@attrs.frozen
-class PushTarget:
-    """One destination of a push: a cache of a linked cluster and its rows."""
-
-    link: Link
-    cache_id: int
-    rows: tuple[int, ...]
-    blocks: bool
-
-
-def push(manager: CacheManager, targets: Sequence[PushTarget], src: Cache,
-         src_rows: list[int], layers: list[list[int]], wait_layer: LayerWait | None,
-         timeout_s: float) -> None:
-    """Send ``src_rows`` of ``src`` to every target, layer by layer.
-
-    ``wait_layer(i)`` returns when layer ``i`` may be sent (its compute is
-    done) and raises to abort; the targets are asked first, so their checks
-    overlap the compute of layer 0.
-    """
-    manager._pin(src.cache_id)
-    sessions: list[tuple[PushTarget, int, Any]] = []
-    try:
-        for target in targets:
-            target.link.check_usable()
-            try:
-                tid = target.link.new_tid(src.cache_desc.num_tensors)
-                outgoing = target.link.transport.outgoing(src.tensors, src_rows, tid, layers)
-                target.link.post({"op": "push", "tid": tid, "cache_id": target.cache_id,
-                                  "rows": list(target.rows), "blocks": target.blocks,
-                                  "desc": src.cache_desc.to_json(), "layers": layers,
-                                  "sender": outgoing.descriptor})
-            except (TransferTimeoutError, LinkFailedError) as exc:
-                raise _broken(target.link, exc, "push") from None
-            sessions.append((target, tid, outgoing))
-        deadline = _Deadline(timeout_s)
-        for target, tid, _ in sessions:
-            try:
-                accept = target.link.channel.take(f"x/{tid}/accept", deadline.left())
-            except (TransferTimeoutError, LinkFailedError) as exc:
-                raise _broken(target.link, exc, "push") from None
-            raise_if_error(accept)
-        for i, layer in enumerate(layers):
-            if wait_layer is not None:
-                try:
-                    wait_layer(i)
-                except LLMError as exc:
-                    for target, tid, _ in sessions:
-                        _put_quietly(target.link, f"x/{tid}/ready/{i}", error_reply(exc))
-                    raise
-            for target, tid, outgoing in sessions:
-                try:
-                    outgoing.send(layer)
-                except LinkFailedError as exc:  # the link closed under the push
-                    target.link.mark_broken(f"push: {exc}")
-                    raise
-                _ready(target, tid, i)
-        deadline = _Deadline(timeout_s)
-        for target, tid, outgoing in sessions:
-            try:
-                outgoing.wait(deadline.left())
-                done = target.link.channel.take(f"x/{tid}/done", deadline.left())
-            except (TransferTimeoutError, LinkFailedError) as exc:
-                raise _broken(target.link, exc, "push") from None
-            raise_if_error(done)
-    finally:
-        manager._unpin(src.cache_id)
-
-
-def _ready(target: PushTarget, tid: int, layer: int) -> None:
-    try:
-        target.link.channel.put(f"x/{tid}/ready/{layer}", {"ok": True})
-    except LinkFailedError as exc:
-        raise _broken(target.link, exc, "push") from None
-
-
-def _layers(message: dict[str, Any], num_tensors: int) -> list[list[int]]:
-    layers = message.get("layers")
-    if not isinstance(layers, list) or not layers:
-        raise InvalidParamError("field 'layers' must be a non-empty list")
-    out = [get_ints({"layer": layer}, "layer", num_tensors) for layer in layers]
-    if sorted(i for layer in out for i in layer) != list(range(num_tensors)):
-        raise InvalidParamError(f"layers {out} must name each of {num_tensors} tensors once")
-    return out
-
-
-def _serve_push(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:
-    tid = get_int(message, "tid")
-    timeout_s = manager._timeout_s
-    pinned: Cache | None = None
-    try:
-        peer_desc = CacheDesc.from_json(message.get("desc") or {})
-        pinned = manager._pin_id(get_int(message, "cache_id"))
-        local = pinned.cache_desc
-        link.check_peer_tid(tid, local.num_tensors)
-        if get_bool(message, "blocks") != pinned.is_blocks_cache:
-            raise InvalidParamError(f"cache {pinned.cache_id} is "
-                                    f"{'' if pinned.is_blocks_cache else 'not '}a blocks cache")
-        check_compatible(local, peer_desc, f"push into cache {pinned.cache_id}")
-        rows = get_ints(message, "rows", local.num_rows)
-        if not rows or len(set(rows)) != len(rows):
-            raise InvalidParamError(f"destination rows {rows} must be non-empty and distinct")
-        layers = _layers(message, local.num_tensors)
-        descriptor = message.get("sender")
-        if not isinstance(descriptor, dict):
-            raise InvalidParamError("the push request has no sender descriptor")
-        incoming = link.transport.incoming(pinned.tensors, rows, tid, layers, descriptor)
-    except LLMError as exc:
-        if pinned is not None:
-            manager._unpin(pinned.cache_id)
-        _put_quietly(link, f"x/{tid}/accept", error_reply(exc))
-        return
-    done: dict[str, Any] | None = {"ok": True}
-    try:
-        link.channel.put(f"x/{tid}/accept", {"ok": True})
-        for i, layer in enumerate(layers):
-            raise_if_error(link.channel.take(f"x/{tid}/ready/{i}", timeout_s))
-            incoming.receive(layer, timeout_s)
-    except (TransferTimeoutError, LinkFailedError) as exc:
-        incoming.abandon()
-        link.mark_broken(f"receiving a push: {exc}")
-        done = error_reply(exc)
-    except LLMError as exc:  # the sender aborted: its layer wait failed
-        incoming.abandon()
-        log.info("push %d from cluster %d aborted: %s", tid, link.peer_cluster_id, exc)
-        done = None
-    finally:  # before the sender hears the outcome: a finished push holds no pin here
-        manager._unpin(pinned.cache_id)
-    if done is not None:
-        try:
-            link.channel.put(f"x/{tid}/done", done)
-        except LinkFailedError as exc:
-            link.mark_broken(f"replying to a push: {exc}")
-
-
-def dispatch(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:
-    """Serve one request that arrived on ``link``."""
-    op = message.get("op")
-    try:  # an id the peer cannot have drawn gets no reply: it could name this side's keys
-        link.check_peer_tid(get_int(message, "tid"), 1)
-    except InvalidParamError as exc:
-        log.warning("ignored request %r from cluster %d: %s", op, link.peer_cluster_id, exc)
-        return
-    if op == "pull":
-        _serve_pull(manager, link, message)
-    elif op == "push":
-        _serve_push(manager, link, message)
-    else:
-        log.warning("unknown request %r from cluster %d", op, link.peer_cluster_id)
+def check_role(manager: CacheManager, role: LLMRole, what: str) -> None:
+    """A peer's request is served only by the role that serves it (a DECODER never serves
+    a pull, a PROMPT never takes a push)."""
+    if manager.role is not role:
+        raise InvalidParamError(f"a {what} is served by a {role.name} cluster; this one is "
+                                f"{manager.role.name}")

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from kvfunc.core._dtypes import dtype_itemsize
+from kvfunc.core import dtype_itemsize
 from kvfunc.datadist._errors import InvalidParamError
 
 __all__ = [
@@ -25,7 +25,6 @@ __all__ = [
     "CacheKey",
     "CacheKeyByIdAndIndex",
     "ClusterInfo",
-    "DataDistOptions",
     "DataType",
     "LLMRole",
     "Placement",
@@ -232,17 +231,64 @@ class CacheKeyByIdAndIndex:
     batch_index: int = attrs.field(default=0, validator=_id("batch_index"))
 
 
+def _addrs(value: object) -> tuple[int, ...] | int:
+    if type(value) is int:
+        check_id("dst_cache_id", value)
+        return value
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        raise InvalidParamError(f"dst_addrs must be a list of tensor addresses (or a cache id), "
+                                f"got {value!r:.80}")
+    addrs = tuple(value)
+    if not addrs or not all(type(a) is int and 0 < a < 2**64 for a in addrs):
+        raise InvalidParamError(f"dst_addrs must be non-empty addresses, got {list(addrs)!r:.80}")
+    return addrs
+
+
+def _layer_range(_: object, __: object, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, range) or value.step != 1 or not value or value.start < 0:
+        raise InvalidParamError(f"src_layer_range must be a non-empty range(start, stop) of "
+                                f"layers with step 1, got {value!r}")
+
+
 @attrs.frozen
 class TransferConfig:
     """Where :meth:`CacheManager.transfer_cache_async` sends: a decoder's cache.
 
-    >>> TransferConfig(2, 9).dst_cluster_id
-    2
+    LLM-DataDist's form names the decoder's cache by the addresses of its
+    tensors (its ``per_device_tensor_addrs[0]``, one per tensor sent); for
+    an ordinary cache, each address moved by ``b`` rows names batch entry
+    ``b``.  The decoder resolves them against its own registered caches, so
+    an address that names no tensor of one of its caches is refused.
+    kvfunc's form gives the decoder cache's id instead (an int), with
+    ``dst_batch_index``.
+
+    Attributes:
+        dst_cluster_id: the decoder cluster.
+        dst_addrs: the decoder cache's tensor addresses, or its cache id.
+        src_layer_range: the layers of this side to send (step 1), all if None;
+            tensors ``start * t .. stop * t - 1`` for ``t`` tensors per layer.
+        src_batch_index: the entry of an ordinary source cache to send.
+        dst_batch_index: with a cache id, the entry of an ordinary decoder cache.
+
+    >>> TransferConfig(2, [0x7F0000, 0x7F1000], range(1, 2)).src_layer_range
+    range(1, 2)
+    >>> TransferConfig(2, 9).dst_cache_id
+    9
     """
 
     dst_cluster_id: int = attrs.field(validator=_id("dst_cluster_id"))
-    dst_cache_id: int = attrs.field(validator=_id("dst_cache_id"))
-    dst_batch_index: int = attrs.field(default=0, validator=_id("dst_batch_index"))
+    dst_addrs: tuple[int, ...] | int = attrs.field(converter=_addrs)
+    src_layer_range: range | None = attrs.field(default=None, validator=_layer_range)
+    src_batch_index: int = attrs.field(default=0, validator=_id("src_batch_index"))
+    dst_batch_index: int = attrs.field(default=0, validator=_id("dst_batch_index"),
+                                       kw_only=True)
+
+    @property
+    def dst_cache_id(self) -> int | None:
+        """The decoder cache's id, where the config names it by id."""
+        return self.dst_addrs if isinstance(self.dst_addrs, int) else None
 
 
 def _port(_: Any, __: Any, value: int) -> None:
@@ -305,78 +351,3 @@ class PoolConfig:
             if isinstance(exc, InvalidParamError):
                 raise
             raise InvalidParamError(f"malformed pool config {value!r}: {exc}") from None
-
-
-_TRANSPORTS = ("gloo", "nccl", "hccl", "mooncake")
-_KNOWN_OPTIONS = ("llm.MemPoolConfig", "llm.HostMemPoolConfig", "llm.listenIpInfo",
-                  "llm.SyncKvCacheWaitTime", "llm.TransferBackend", "llm.Device")
-
-
-def _parse_listen(value: object) -> tuple[str, int]:
-    host, sep, port = str(value).rpartition(":")
-    if not sep or not port.isdigit():
-        raise InvalidParamError(f"llm.listenIpInfo must be 'ip:port', got {value!r}")
-    if not host or not 0 <= int(port) < 65536:
-        raise InvalidParamError(f"llm.listenIpInfo must be 'ip:port', got {value!r}")
-    return host, int(port)
-
-
-def _parse_ms(value: object) -> int:
-    text = str(value)
-    if type(value) is bool or not text.isdigit() or not 0 < int(text) < 2**31:
-        raise InvalidParamError(f"llm.SyncKvCacheWaitTime must be a positive number of ms, "
-                                f"got {value!r}")
-    return int(text)
-
-
-@attrs.frozen
-class DataDistOptions:
-    """The options of an ``LLMDataDist``, parsed and checked.
-
-    Keys: ``llm.MemPoolConfig`` / ``llm.HostMemPoolConfig`` (pool configs,
-    see :class:`PoolConfig`), ``llm.listenIpInfo`` (``"ip:port"``; port 0
-    picks a free one), ``llm.SyncKvCacheWaitTime`` (ms a transfer may take,
-    default 5000), ``llm.TransferBackend`` (``gloo``, ``nccl``, ``hccl`` or
-    ``mooncake``; default from the device), ``llm.Device`` (the device
-    pool's device, default ``"auto"``).
-
-    >>> o = DataDistOptions.from_mapping({"llm.MemPoolConfig": '{"memory_size": 4096}',
-    ...                                   "llm.listenIpInfo": "127.0.0.1:0"})
-    >>> o.device_pool.memory_size, o.listen, o.sync_timeout_ms, o.host_pool
-    (4096, ('127.0.0.1', 0), 5000, None)
-    """
-
-    device_pool: PoolConfig | None = None
-    host_pool: PoolConfig | None = None
-    listen: tuple[str, int] | None = None
-    sync_timeout_ms: int = 5000
-    transport: str | None = None
-    device: str = "auto"
-
-    @classmethod
-    def from_mapping(cls, options: Mapping[str, object] | None) -> DataDistOptions:
-        """Parse an options mapping (values are strings or plain values)."""
-        if options is None:
-            return cls()
-        if not isinstance(options, Mapping):
-            raise InvalidParamError(f"options must be a mapping, got {type(options).__name__}")
-        unknown = sorted(set(options) - set(_KNOWN_OPTIONS))
-        if unknown:
-            raise InvalidParamError(f"unknown option(s) {unknown}; known: {list(_KNOWN_OPTIONS)}")
-        get = options.get
-        transport = get("llm.TransferBackend")
-        if transport is not None and transport not in _TRANSPORTS:
-            raise InvalidParamError(f"llm.TransferBackend must be one of {list(_TRANSPORTS)}, "
-                                    f"got {transport!r}")
-        device = get("llm.Device", "auto")
-        if not isinstance(device, str):
-            raise InvalidParamError(f"llm.Device must be a device name, got {device!r}")
-        pool, host_pool = get("llm.MemPoolConfig"), get("llm.HostMemPoolConfig")
-        listen = get("llm.listenIpInfo")
-        return cls(
-            device_pool=None if pool is None else PoolConfig.from_json(pool),
-            host_pool=None if host_pool is None else PoolConfig.from_json(host_pool),
-            listen=None if listen is None else _parse_listen(listen),
-            sync_timeout_ms=_parse_ms(get("llm.SyncKvCacheWaitTime", 5000)),
-            transport=None if transport is None else str(transport),
-            device=device)

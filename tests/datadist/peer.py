@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
 
 import kvfunc.datadist as dd
-from kvfunc.datadist import _backends
+from kvfunc.datadist import _tcp, _wire
 
 
 def pattern(desc: dd.CacheDesc, seed: int) -> list[torch.Tensor]:
@@ -123,19 +124,26 @@ class Peer:
         return {}
 
     def op_stall(self) -> dict[str, Any]:
-        """Make the next outgoing transfer stop after its first tensor until ``unstall``."""
-        original = _backends._TorchOutgoing.send
+        """Make the next outgoing transfer stop after its first row run until ``unstall``
+        (its frame half sent: the receiver is mid-frame)."""
+        original = _tcp._Outgoing.send
         peer = self
 
         def send(self: Any, indices: Any) -> None:
-            indices = list(indices)
-            original(self, indices[:1])
-            _backends._TorchOutgoing.send = original  # type: ignore[method-assign]
-            peer.emit({"event": "stalled"})
-            peer.unstall.wait()
-            original(self, indices[1:])
+            _tcp._Outgoing.send = original  # type: ignore[method-assign]
+            frame, conn = self.frames[0], self.conn
+            nbytes = sum(b.nbytes for b in frame)
+            head = [memoryview(_wire.data_header(self.tag, 0, nbytes)), frame[0]]
+            with conn._send_lock:
+                conn._send_all(head, time.monotonic() + 30)
+                peer.emit({"event": "stalled"})
+                peer.unstall.wait(60)
+                conn._send_all(list(frame[1:]), time.monotonic() + 30)
+            self.next = len(self.layers)
+            if self.on_copied is not None:
+                self.on_copied()
 
-        _backends._TorchOutgoing.send = send  # type: ignore[method-assign]
+        _tcp._Outgoing.send = send  # type: ignore[method-assign]
         return {}
 
     def op_unstall(self) -> dict[str, Any]:

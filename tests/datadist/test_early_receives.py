@@ -29,7 +29,8 @@ ROWS = list(range(200))
 @pytest.fixture
 def pair() -> Iterator[tuple[dd.LLMDataDist, dd.LLMDataDist]]:
     """A prompt cluster (0) and a decoder (1) in this process, linked over gloo."""
-    opts = options(**{"llm.MemPoolConfig": '{"memory_size": 33554432, "page_shift": 16}'})
+    opts = options(**{"llm.MemPoolConfig": '{"memory_size": 33554432, "page_shift": 16}',
+                      "llm.TransferBackend": "gloo"})
     prompt = dd.LLMDataDist(dd.LLMRole.PROMPT, 0, opts | {"llm.listenIpInfo": "127.0.0.1:0"})
     decoder = dd.LLMDataDist(dd.LLMRole.DECODER, 1, opts)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -128,16 +129,15 @@ def test_bad_pulls_are_rejected_before_any_write(prompt: PeerProcess,
 
 def test_refused_pulls_take_their_early_receives_back(prompt: PeerProcess,
                                                       decoder: dd.LLMDataDist) -> None:
-    """Gloo receives are posted before the pull asks; a refusal drains them.
+    """Receives are posted before the pull asks; a refusal unposts them.
 
-    Each refused pull (no such key, a desc that does not match) gets its
-    staging buffer back for the next pull, leaves nothing pending on the
-    link and writes nothing; the link stays usable.
+    Each refused pull (no such key, a desc that does not match) leaves
+    nothing posted on the link and writes nothing; the link stays usable.
     """
     prompt.ok("alloc", desc=BLOCKS.to_json(), blocks=True, model_id=5, fill=6)
     cm = decoder.cache_manager
-    endpoint = decoder._links[0].transport
-    assert endpoint.posts_early
+    link = decoder._links[0]
+    assert link.transport.posts_early
     dst = zeros(cm, BLOCKS)
     other = zeros(cm, dd.CacheDesc(4, (16, 2, 4), dd.DataType.DT_FLOAT16))
     for _ in range(3):
@@ -146,16 +146,13 @@ def test_refused_pulls_take_their_early_receives_back(prompt: PeerProcess,
         with pytest.raises(LLMError) as info:
             cm.pull_blocks(dd.BlocksCacheKey(0, 5), other, [1], [0])
         assert CODE.LLM_PARAM_INVALID == info.value.status_code
-    assert [] == endpoint.abandoned
-    staged = {key: len(bufs) for key, bufs in endpoint.buffers.idle.items()}
-    cpu = torch.device("cpu")  # one staging buffer of each shape, taken back and reused
-    assert {((4, 2, 2, 8), torch.float16, cpu): 1,
-            ((4, 1, 2, 4), torch.float16, cpu): 1}.items() <= staged.items()
+    assert {} == link.channel._posted
     assert 0 == sum(int(t.count_nonzero()) for t in dst.tensors + other.tensors)
+    assert 0 == cm.state.caches[dst.cache_id].pins
     cm.pull_blocks(dd.BlocksCacheKey(0, 5), dst, [1, 2], [0, 1])
     assert all(torch.equal(w[[1, 2]], t[[0, 1]])
                for w, t in zip(pattern(BLOCKS, 6), dst.tensors, strict=True))
-    assert decoder._links[0].broken is None
+    assert link.broken is None
 
 
 def test_push_blocks_and_push_cache_write_the_decoder(prompt: PeerProcess,
@@ -275,3 +272,40 @@ def test_stalled_or_killed_peer_times_out_without_leaking_and_relink_retry_works
         peer.close()
         if replacement is not None:
             replacement.close()
+
+
+def test_a_frozen_prompt_cluster_bounds_every_wait_and_relink_retry_works() -> None:
+    """A stopped prompt process (SIGSTOP; a partition looks the same): a pull ends with
+    LLM_WAIT_PROCESS_TIMEOUT and a new link with LLM_LINK_FAILED, each within the
+    timeout, with nothing pinned or leaked; once the peer resumes, unlink + link + retry
+    brings the right blocks and the peer holds no pin."""
+    opts = options(**{"llm.listenIpInfo": "127.0.0.1:0", "llm.SyncKvCacheWaitTime": 1500})
+    peer = PeerProcess("PROMPT", 0, opts)
+    d = dd.LLMDataDist(dd.LLMRole.DECODER, 1, opts | {"llm.listenIpInfo": None})
+    other = dd.LLMDataDist(dd.LLMRole.DECODER, 2, opts | {"llm.listenIpInfo": None})
+    try:
+        assert [CODE.LLM_SUCCESS] == d.link_clusters([dd.ClusterInfo(0, *peer.address)])[1]
+        peer.ok("alloc", desc=BLOCKS.to_json(), blocks=True, model_id=0, fill=9)
+        cm = d.cache_manager
+        dst = zeros(cm, BLOCKS)
+        used = cm.state.used_bytes()
+        peer.signal(signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(dd.TransferTimeoutError) as info:
+            cm.pull_blocks(dd.BlocksCacheKey(0, 0), dst, [1, 2], [3, 4])
+        assert CODE.LLM_WAIT_PROCESS_TIMEOUT == info.value.status_code
+        assert time.monotonic() - start < 1.5 + 0.5
+        assert (0, used) == (cm.state.caches[dst.cache_id].pins, cm.state.used_bytes())
+        assert 0 == sum(int(t.count_nonzero()) for t in dst.tensors)
+        start = time.monotonic()
+        assert [CODE.LLM_LINK_FAILED] == other.link_clusters(
+            [dd.ClusterInfo(0, *peer.address)], timeout=1500)[1]
+        assert time.monotonic() - start < 1.5 + 0.5
+        peer.signal(signal.SIGCONT)
+        relink_and_retry(d, peer, dst, 9)
+        assert wait_until(lambda: peer.ok("state")["pins"] == 0)
+    finally:
+        peer.signal(signal.SIGCONT)
+        other.finalize()
+        d.finalize()
+        peer.close()
