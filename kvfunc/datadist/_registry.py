@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvfunc.core import FrozenDict
+from kvfunc.core._internal import FrozenDict
 from kvfunc.datadist._errors import CacheNotExistError, InvalidParamError
 from kvfunc.datadist._ranges import (
     RangeState,
