@@ -10,10 +10,11 @@ the same code::
     report = plan_model(build_preset("llama-3-8b"), PlanConfig(Budget(64 * 2**30)))
 """
 
+from kvfunc.cli._args import SIMULATE_DEFAULTS, build_parser
 from kvfunc.cli._custom import load_model_file, model_from_mapping
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._log import DeltaLogWriter, ReplayFailed, state_content, verify_log
-from kvfunc.cli._main import SIMULATE_DEFAULTS, build_parser, main
+from kvfunc.cli._main import main
 from kvfunc.cli._plan import Budget, GroupPlan, PlanConfig, PlanReport, plan_model, size_blocks
 from kvfunc.cli._presets import PRESETS, ModelPreset, build_preset, preset_names
 from kvfunc.cli._scheduler import Scheduler, SchedulerConfig

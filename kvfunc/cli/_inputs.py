@@ -11,7 +11,7 @@ a model file               1 MiB       the largest real model is a few KiB
 a trace (CSV or JSONL)     64 MiB      after decompression; the Mooncake
                                        conversation trace is 2.9 MiB
 one line of a trace        1 MiB       a Mooncake line is ~2 KiB
-one line of a delta log    64 MiB      a final record lists every free block
+one line of a delta log    32 MiB      a final record lists every free block
 blocks of a simulated      2,097,152   each block costs host memory in the state
 state, all groups                      (about 400 MiB at the bound with prefix
                                        caching, most of it the cache's index)
@@ -32,13 +32,15 @@ from pathlib import Path
 
 from kvfunc.cli._errors import CLIError
 
-__all__ = ["MAX_MODEL_FILE_BYTES", "MAX_STATE_BLOCKS", "MAX_TRACE_BYTES", "MAX_TRACE_LINE_BYTES",
-           "check_state_size", "check_writable", "decode_text", "read_bounded", "show"]
+__all__ = ["MAX_LOG_LINE_BYTES", "MAX_MODEL_FILE_BYTES", "MAX_STATE_BLOCKS", "MAX_TRACE_BYTES",
+           "MAX_TRACE_LINE_BYTES", "check_state_size", "check_writable", "decode_text",
+           "read_bounded", "show"]
 
 KIB, MIB = 2**10, 2**20
 MAX_MODEL_FILE_BYTES = 1 * MIB
 MAX_TRACE_BYTES = 64 * MIB
 MAX_TRACE_LINE_BYTES = 1 * MIB
+MAX_LOG_LINE_BYTES = 32 * MIB
 MAX_STATE_BLOCKS = 2**21
 
 _SHORT = reprlib.Repr()

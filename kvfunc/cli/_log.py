@@ -28,6 +28,7 @@ from typing import IO, Any, cast
 import attrs
 
 from kvfunc.cli._errors import CLIError
+from kvfunc.cli._inputs import MAX_LOG_LINE_BYTES, check_state_size, show
 from kvfunc.core import (
     DELTA_VERSION,
     BlocksChanged,
@@ -116,10 +117,16 @@ def _initial_state(header: object, path: str) -> KVState:
         msg = f"delta version {header.get('delta_version')!r}, this kvfunc reads {DELTA_VERSION}"
         raise _malformed(path, 1, msg)
     try:
-        policies = {g["key"]: policy_class(g["policy"])(**g["params"]) for g in header["groups"]}
+        groups = header["groups"]
+        sizes = {str(i): g["params"]["num_blocks"] for i, g in enumerate(groups)}
+        if not all(type(n) is int for n in sizes.values()):
+            raise TypeError(f"num_blocks must be integers, got {show(list(sizes.values()))}")
+        check_state_size(sizes, fix="this log's cache is larger than kvfunc replays")
+        policies = {g["key"]: policy_class(g["policy"])(**g["params"]) for g in groups}
         return KVState.create(policies, header["max_model_len"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise _malformed(path, 1, f"the header does not rebuild a state ({exc})") from None
+        raise _malformed(path, 1, f"the header does not rebuild a state ({show(str(exc))})"
+                         ) from None
 
 
 def _delta(record: object, path: str, line: int) -> BlocksChanged:
@@ -144,7 +151,7 @@ class _Reader:
             self.line += 1
             try:
                 record = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise _malformed(self.path, self.line, "not valid JSON") from None
             if isinstance(record, dict) and "final" in record:
                 self.final = record["final"]
@@ -191,6 +198,16 @@ def _compare(replayed: list[dict[str, Any]], recorded: object, path: str) -> Non
                                f"recorded final state{detail}")
 
 
+def _bounded_lines(handle: IO[str], path: str) -> Iterator[str]:
+    """The file's lines, each refused past :data:`MAX_LOG_LINE_BYTES` (``/dev/zero`` has none)."""
+    number = 0
+    while line := handle.readline(MAX_LOG_LINE_BYTES + 1):
+        number += 1
+        if len(line) > MAX_LOG_LINE_BYTES:
+            raise _malformed(path, number, "a line longer than 32 MiB")
+        yield line
+
+
 def verify_log(path: str | Path) -> tuple[KVState, int]:
     """Replay the log at ``path`` and check it reproduces its recorded final state.
 
@@ -220,10 +237,10 @@ def verify_log(path: str | Path) -> tuple[KVState, int]:
     except OSError as exc:
         raise CLIError(f"cannot read log {name!r}: {exc.strerror}") from None
     with handle:
-        lines = iter(handle)
+        lines = _bounded_lines(handle, name)
         try:
             header = json.loads(next(lines, "null"))
-        except ValueError:
+        except (ValueError, RecursionError):
             raise _malformed(name, 1, "not valid JSON") from None
         except UnicodeDecodeError:
             raise CLIError(f"log {name!r} is not UTF-8 text") from None

@@ -193,7 +193,8 @@ class SimulationResult:
     def to_json(self) -> dict[str, Any]:
         """Plain data: settings, counters, per-group usage and allocator timings."""
         cfg = self.config
-        groups = [{**attrs.asdict(g), "peak_fraction": round(g.peak_fraction, 4),
+        groups = [{**attrs.asdict(g), "usable_blocks": g.num_blocks - 1,
+                   "peak_fraction": round(g.peak_fraction, 4),
                    "mean_fraction": round(g.mean_fraction, 4),
                    "mean_blocks": round(g.mean_blocks, 2)} for g in self.groups]
         return {
