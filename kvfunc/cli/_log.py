@@ -11,7 +11,9 @@ A log is plain JSON, one object per line (no pickle, nothing executable)::
     {"final": {"num_deltas": 812, "groups": [{"key": "FullAttention",
                "tables": [[7, [1, 2, 3]]], "free": [4, 5, ...], "detached": 0}]}}
 
-A delta line holds the non-empty columns of one :class:`kvfunc.BlocksChanged`.
+A delta line holds the non-empty columns of one :class:`kvfunc.BlocksChanged`;
+block hashes are written as hex strings.  A run with prefix caching says so in
+its header (``"prefix_caching": true``); logs without the key are runs without.
 :func:`verify_log` rebuilds the initial state from the header, replays every
 delta with :func:`kvfunc.replay`, and compares the result with the recorded
 final state: every request's block table and every group's free queue, in
@@ -42,6 +44,8 @@ __all__ = ["LOG_VERSION", "DeltaLogWriter", "ReplayFailed", "state_content", "ve
 
 LOG_VERSION = 1
 _COLUMNS = tuple(f.name for f in attrs.fields(BlocksChanged) if f.name != "version")
+_HASH_COLUMNS = frozenset({"stored_hashes", "stored_parent_hashes", "evicted_hashes"})
+_NESTED_COLUMNS = frozenset({"stored_token_ids"})
 
 
 class ReplayFailed(Exception):
@@ -66,7 +70,24 @@ def _header(state: KVState, meta: dict[str, Any]) -> dict[str, Any]:
     groups = [{"key": g.key, "policy": g.policy.attn_type,
                "params": attrs.asdict(cast(Any, g.policy))} for g in state.groups]
     return {"kvfunc_delta_log": LOG_VERSION, "delta_version": DELTA_VERSION,
-            "max_model_len": state.max_model_len, "groups": groups, "meta": meta}
+            "max_model_len": state.max_model_len, "prefix_caching": state.prefix_caching,
+            "groups": groups, "meta": meta}
+
+
+def _to_json(name: str, value: tuple[Any, ...]) -> list[Any]:
+    """One delta column as JSON: hashes as hex strings (a parent may be None)."""
+    if name in _HASH_COLUMNS:
+        return [None if h is None else h.hex() for h in value]
+    return list(value)
+
+
+def _from_json(name: str, value: list[Any]) -> tuple[Any, ...]:
+    """A column read back: hex to bytes, nested lists (token ids) to tuples."""
+    if name in _HASH_COLUMNS:
+        return tuple(None if h is None else bytes.fromhex(h) for h in value)
+    if name in _NESTED_COLUMNS:
+        return tuple(tuple(row) for row in value)
+    return tuple(value)
 
 
 class DeltaLogWriter:
@@ -96,7 +117,8 @@ class DeltaLogWriter:
 
     def write(self, step: int, delta: BlocksChanged) -> None:
         """Append one delta (its non-empty columns) recorded at ``step``."""
-        columns = {name: list(value) for name in _COLUMNS if (value := getattr(delta, name))}
+        columns = {name: _to_json(name, value) for name in _COLUMNS
+                   if (value := getattr(delta, name))}
         self._line({"step": step, "delta": columns})
         self.num_deltas += 1
 
@@ -123,7 +145,8 @@ def _initial_state(header: object, path: str) -> KVState:
             raise TypeError(f"num_blocks must be integers, got {show(list(sizes.values()))}")
         check_state_size(sizes, fix="this log's cache is larger than kvfunc replays")
         policies = {g["key"]: policy_class(g["policy"])(**g["params"]) for g in groups}
-        return KVState.create(policies, header["max_model_len"])
+        caching = header.get("prefix_caching", False)
+        return KVState.create(policies, header["max_model_len"], enable_prefix_caching=caching)
     except (KeyError, TypeError, ValueError) as exc:
         raise _malformed(path, 1, f"the header does not rebuild a state ({show(str(exc))})"
                          ) from None
@@ -135,7 +158,10 @@ def _delta(record: object, path: str, line: int) -> BlocksChanged:
         raise _malformed(path, line, "expected {\"step\": N, \"delta\": {columns}}")
     if not all(isinstance(v, list) for v in columns.values()):
         raise _malformed(path, line, "every delta column must be a list")
-    fields: dict[str, Any] = {name: tuple(value) for name, value in columns.items()}
+    try:
+        fields: dict[str, Any] = {name: _from_json(name, value) for name, value in columns.items()}
+    except (TypeError, ValueError):
+        raise _malformed(path, line, "a hash column holds something other than hex") from None
     return BlocksChanged(**fields)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from kvfunc.cli._errors import CLIError
@@ -129,7 +130,7 @@ class UpperBound(NamedTuple):
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def upper_bound(requests: Any) -> UpperBound:
+def upper_bound(requests: Iterable[Any]) -> UpperBound:
     """The trace's upper bound: leading ids seen before, in arrival order, capped at length - 1.
 
     ``requests`` are rows with ``prompt_tokens`` and ``hash_ids`` (a

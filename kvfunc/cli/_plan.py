@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 
 from kvfunc.cli._errors import CLIError
+from kvfunc.cli._inputs import show
 from kvfunc.cli._presets import MAX_MODEL_LEN, ModelPreset
 from kvfunc.cli._units import MAX_BYTES, format_bytes
 from kvfunc.core import (
@@ -109,7 +110,7 @@ class PlanConfig:
                 continue
             if type(value) is not int or not least <= value <= most:
                 raise CLIError(f"{name} must be an integer from {least} to {most:,}, got "
-                               f"{value!r}")
+                               f"{show(value)}")
 
 
 @attrs.frozen

@@ -88,7 +88,7 @@ def _hit_panel(ax: Any, result: SimulationResult) -> None:
                label=f"trace's upper bound, infinite cache ({prefix.bound.hit_rate:.1%})")
     ax.set_ylabel("prompt tokens hit (%)")
     ax.set_ylim(0, max(5.0, 120 * prefix.bound.hit_rate))
-    ax.legend(fontsize=7, loc="lower right", framealpha=0.8)
+    ax.legend(fontsize=7, loc="center right", framealpha=0.8)
 
 
 def plot_usage(result: SimulationResult, path: str | Path, *, title: str | None = None) -> Path:
@@ -151,8 +151,26 @@ def _short(count: float) -> str:
 def plot_sweep(sweep: SweepResult, path: str | Path, *, title: str | None = None) -> Path:
     """Write a PNG of hit rate against cache capacity (log x), the upper bound marked.
 
+    Each point is labelled with the ``--memory`` of its run.
+
     Raises:
         CLIError: the file cannot be written.
+
+    >>> import tempfile, pathlib
+    >>> from kvfunc.cli._mooncake import UpperBound
+    >>> from kvfunc.cli._plan import Budget
+    >>> from kvfunc.cli._presets import build_preset
+    >>> from kvfunc.cli._simulate import SimulationConfig
+    >>> from kvfunc.cli._sweep import SweepPoint
+    >>> from kvfunc.cli._trace import load_trace
+    >>> cfg = SimulationConfig(build_preset("deepseek-v3"),
+    ...                        load_trace("mooncake-conversation", limit=10), Budget(2**36))
+    >>> points = tuple(SweepPoint(2**30 * m, 15_000 * m, {}, 1000, 100 * m, 0, 0, 10, 0, 0, 1.0)
+    ...                for m in (1, 2, 3))
+    >>> sweep = SweepResult(cfg, points, UpperBound(1000, 350), False, 3.0)
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     plot_sweep(sweep, pathlib.Path(tmp) / "s.png").read_bytes()[:4]
+    b'\x89PNG'
     """
     fig = Figure(figsize=(8, 4.8), dpi=110)
     FigureCanvasAgg(fig)
@@ -161,8 +179,9 @@ def plot_sweep(sweep: SweepResult, path: str | Path, *, title: str | None = None
     ys = [100 * p.hit_rate for p in sweep.points]
     ax.plot(xs, ys, marker="o", linewidth=1.2, label="simulated hit rate")
     for p in sweep.points:
+        # above and to the left: a rising curve leaves that corner free
         ax.annotate(format_bytes(p.memory_bytes), (p.capacity_tokens, 100 * p.hit_rate),
-                    textcoords="offset points", xytext=(0, -13), ha="center", fontsize=6.5,
+                    textcoords="offset points", xytext=(-5, 5), ha="right", fontsize=6.5,
                     color="0.35")
     bound = 100 * sweep.bound.hit_rate
     ax.axhline(bound, color="0.3", linestyle="--", linewidth=1,

@@ -115,6 +115,8 @@ class Scheduler:
         self.target = list(self.prompt)  # tokens to prefill before decoding
         self.generated = [0] * n
         self.preempted = [False] * n
+        #: Requests rejected on arrival (too long, or larger than the whole cache).
+        self.rejected_ids: list[int] = []
         self.running: list[int] = []
         self.waiting: deque[int] = deque()
         self._next = 0
@@ -177,6 +179,7 @@ class Scheduler:
                 self.waiting.append(rid)
             else:
                 self.rejected += 1
+                self.rejected_ids.append(rid)
 
     def _running_batch(self, budget: int) -> tuple[list[tuple[Any, ...]], int]:
         n = self.config.next_n

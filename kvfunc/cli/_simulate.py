@@ -21,10 +21,10 @@ from typing import IO, Any
 import attrs
 
 from kvfunc.cli._errors import CLIError
-from kvfunc.cli._inputs import check_state_size
+from kvfunc.cli._inputs import check_state_size, show
 from kvfunc.cli._log import DeltaLogWriter
 from kvfunc.cli._mooncake import UpperBound, upper_bound
-from kvfunc.cli._plan import Budget, PlanConfig, size_blocks
+from kvfunc.cli._plan import MAX_CONCURRENCY, Budget, PlanConfig, size_blocks
 from kvfunc.cli._prefix import PrefixCacher, hash_block_size
 from kvfunc.cli._presets import MAX_MODEL_LEN, ModelPreset
 from kvfunc.cli._scheduler import Scheduler, SchedulerConfig
@@ -70,11 +70,12 @@ class SimulationConfig:
     prefix_caching: bool = True
 
     def __attrs_post_init__(self) -> None:
-        checks = (("--concurrency", self.concurrency), ("--max-batched-tokens",
-                                                         self.max_batched_tokens))
-        for name, value in checks:
-            if type(value) is not int or value <= 0:
-                raise CLIError(f"{name} must be a positive integer, got {value!r}")
+        checks = (("--concurrency", self.concurrency, MAX_CONCURRENCY),
+                  ("--max-batched-tokens", self.max_batched_tokens, MAX_MODEL_LEN))
+        for name, value, most in checks:
+            if type(value) is not int or not 0 < value <= most:
+                raise CLIError(f"{name} must be an integer from 1 to {most:,}, got "
+                               f"{show(value)}")
         if self.max_batched_tokens < 1 + self.model.next_n:
             msg = (f"--max-batched-tokens ({self.max_batched_tokens}) must leave room for one "
                    f"decode step of {1 + self.model.next_n} tokens")
@@ -136,7 +137,8 @@ class PrefixReport:
         stored_blocks: blocks the cache stored, summed over groups.
         evicted_blocks: cached blocks handed out again, summed over groups.
         hash_block_size: tokens per hashed block (the gcd of the groups' block sizes).
-        bound: what an infinite cache could hit on the trace's requests.
+        bound: what an infinite cache could hit on the requests the run admitted
+            (all of the trace's unless some were rejected as too large).
     """
 
     enabled: bool
@@ -325,7 +327,9 @@ def _prefix_report(config: SimulationConfig, sched: Scheduler, block_size: int
     if not config.trace.has_hash_ids:
         return None
     p, stats = sched.prefix, sched.prefix_stats
+    rejected = set(sched.rejected_ids)  # they never ran: nothing could hit their blocks
+    bound = upper_bound(r for i, r in enumerate(config.trace.requests) if i not in rejected)
     return PrefixReport(
         p is not None, sched.prompt_tokens, 0 if p is None else p.hit_tokens,
         0 if p is None else p.recompute_hit_tokens, stats.stored_blocks, stats.evicted_blocks,
-        block_size, upper_bound(config.trace.requests))
+        block_size, bound)

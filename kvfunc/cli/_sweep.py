@@ -190,6 +190,15 @@ def run_sweep(config: SimulationConfig, *, points: int = 8, jobs: int | None = N
 
     Raises:
         CLIError: a trace without hash ids, caching turned off, or bad counts.
+
+    >>> from kvfunc.cli._plan import Budget
+    >>> from kvfunc.cli._presets import build_preset
+    >>> from kvfunc.cli._trace import load_trace
+    >>> cfg = SimulationConfig(build_preset("deepseek-v3"),
+    ...                        load_trace("mooncake-conversation", limit=30), Budget(2**36))
+    >>> sweep = run_sweep(cfg, points=2, jobs=1)
+    >>> [p.evicted_blocks > 0 for p in sweep.points], sweep.points[-1].hit_rate
+    ([True, False], 0.0...)
     """
     if not (config.trace.has_hash_ids and config.prefix_caching):
         raise CLIError("--capacity-sweep needs prefix caching on a trace that names its prompt "

@@ -48,7 +48,7 @@ def parse_bytes(text: str, *, what: str = "memory") -> int:
     factor = _UNITS.get(match.group(2).lower()) if match else None
     if match is None or factor is None:
         shown = text if len(text) <= 64 else text[:60] + "..."
-        if _PATTERN.fullmatch(text.strip().removeprefix("-")):
+        if text.strip().startswith("-") and _PATTERN.fullmatch(text.strip()[1:]):
             msg = f"{what} {shown!r} is negative; a size is 0 or more, like 64GiB"
         else:
             msg = f"{what} {shown!r} is not a size; write it like 64GiB or 80GB"
