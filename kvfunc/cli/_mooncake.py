@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import MAX_TRACE_LINE_BYTES, show
 
-__all__ = ["HASH_BLOCK_TOKENS", "MAX_HASH_ID", "UpperBound", "parse_trace_jsonl", "upper_bound"]
+__all__ = ["HASH_BLOCK_TOKENS", "MAX_HASH_ID", "UpperBound", "hit_rate", "parse_trace_jsonl",
+           "upper_bound"]
 
 #: Tokens per hash id in the Mooncake traces.
 HASH_BLOCK_TOKENS = 512
@@ -118,6 +119,15 @@ def parse_trace_jsonl(text: str, *, name: str, limit: int | None = None
     return [r._replace(arrival_s=round(r.arrival_s - start, 7)) for r in rows]
 
 
+def hit_rate(hit_tokens: int, prompt_tokens: int) -> float:
+    """Hit tokens over prompt tokens; 0.0 when there are none.
+
+    >>> hit_rate(25, 100), hit_rate(0, 0)
+    (0.25, 0.0)
+    """
+    return hit_tokens / prompt_tokens if prompt_tokens else 0.0
+
+
 class UpperBound(NamedTuple):
     """What an infinite prefix cache could hit on a trace (see the module docstring)."""
 
@@ -127,7 +137,7 @@ class UpperBound(NamedTuple):
     @property
     def hit_rate(self) -> float:
         """Hit tokens over prompt tokens."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return hit_rate(self.hit_tokens, self.prompt_tokens)
 
 
 def upper_bound(requests: Iterable[Any]) -> UpperBound:

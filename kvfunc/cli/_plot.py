@@ -157,17 +157,12 @@ def plot_sweep(sweep: SweepResult, path: str | Path, *, title: str | None = None
         CLIError: the file cannot be written.
 
     >>> import tempfile, pathlib
-    >>> from kvfunc.cli._mooncake import UpperBound
-    >>> from kvfunc.cli._plan import Budget
-    >>> from kvfunc.cli._presets import build_preset
-    >>> from kvfunc.cli._simulate import SimulationConfig
-    >>> from kvfunc.cli._sweep import SweepPoint
-    >>> from kvfunc.cli._trace import load_trace
-    >>> cfg = SimulationConfig(build_preset("deepseek-v3"),
-    ...                        load_trace("mooncake-conversation", limit=10), Budget(2**36))
+    >>> from kvfunc.cli import (Budget, SimulationConfig, SweepPoint, UpperBound,
+    ...                         build_preset, synthetic_trace)
+    >>> base = SimulationConfig(build_preset("llama-3-8b"), synthetic_trace(1), Budget(2**33))
     >>> points = tuple(SweepPoint(2**30 * m, 15_000 * m, {}, 1000, 100 * m, 0, 0, 10, 0, 0, 1.0)
     ...                for m in (1, 2, 3))
-    >>> sweep = SweepResult(cfg, points, UpperBound(1000, 350), False, 3.0)
+    >>> sweep = SweepResult(base, points, UpperBound(1000, 350), False, 3.0)
     >>> with tempfile.TemporaryDirectory() as tmp:
     ...     plot_sweep(sweep, pathlib.Path(tmp) / "s.png").read_bytes()[:4]
     b'\x89PNG'

@@ -23,7 +23,7 @@ import attrs
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import check_state_size, show
 from kvfunc.cli._log import DeltaLogWriter
-from kvfunc.cli._mooncake import UpperBound, upper_bound
+from kvfunc.cli._mooncake import UpperBound, hit_rate, upper_bound
 from kvfunc.cli._plan import MAX_CONCURRENCY, Budget, PlanConfig, size_blocks
 from kvfunc.cli._prefix import PrefixCacher, hash_block_size
 from kvfunc.cli._presets import MAX_MODEL_LEN, ModelPreset
@@ -153,7 +153,7 @@ class PrefixReport:
     @property
     def hit_rate(self) -> float:
         """Hit tokens over prompt tokens."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return hit_rate(self.hit_tokens, self.prompt_tokens)
 
     def to_json(self) -> dict[str, Any]:
         """The ``"prefix_cache"`` object of ``--json``."""

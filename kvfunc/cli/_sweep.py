@@ -32,7 +32,7 @@ import attrs
 
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import MAX_STATE_BLOCKS
-from kvfunc.cli._mooncake import HASH_BLOCK_TOKENS, UpperBound, upper_bound
+from kvfunc.cli._mooncake import HASH_BLOCK_TOKENS, UpperBound, hit_rate, upper_bound
 from kvfunc.cli._plan import PlanConfig, plan_model
 from kvfunc.cli._simulate import SimulationConfig, run_simulation
 
@@ -60,7 +60,7 @@ class SweepPoint:
     @property
     def hit_rate(self) -> float:
         """Hit tokens over prompt tokens."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return hit_rate(self.hit_tokens, self.prompt_tokens)
 
     def to_json(self) -> dict[str, Any]:
         """Plain data, one row of ``--json``'s ``points``."""

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfunc.cli import main
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_run import run_main  # the helper beside this file
 
 NEST = 100_000
 MAMBA_ONLY = """
@@ -38,15 +39,6 @@ block_size = BLOCK },
         text = text.replace(key, value)
     return text
 
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Run ``kvfunc argv`` in-process; returns (exit code, stdout, stderr)."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_one_line_exit_2(code: int, err: str, needle: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -14,23 +15,16 @@ import kvfunc
 from kvfunc.cli import (
     Budget,
     PlanConfig,
-    main,
     model_from_mapping,
     plan_model,
     preset_names,
 )
 
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_run import run_main  # the helper beside this file
+
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Run ``kvfunc argv`` in-process; returns (exit code, stdout, stderr)."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_version_is_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
