@@ -102,7 +102,7 @@ def _simulate_args(sim: argparse.ArgumentParser) -> None:
                      metavar="POINTS",
                      help="run the trace at POINTS cache sizes (default 8), from one that "
                           "barely holds the longest request to one that evicts nothing, and "
-                          "plot hit rate against capacity")
+                          "plot hit rate against capacity (each point sets its own --memory)")
     sim.add_argument("--jobs", type=int, default=None, metavar="N",
                      help="processes for --capacity-sweep (default: one per CPU)")
     sim.add_argument("--plot", default=None, metavar="PNG",

@@ -35,6 +35,7 @@ from kvfunc.cli._inputs import MAX_STATE_BLOCKS
 from kvfunc.cli._mooncake import HASH_BLOCK_TOKENS, UpperBound, hit_rate, upper_bound
 from kvfunc.cli._plan import PlanConfig, plan_model
 from kvfunc.cli._simulate import SimulationConfig, run_simulation
+from kvfunc.cli._units import MAX_BYTES
 
 __all__ = ["SweepPoint", "SweepResult", "memory_for_tokens", "run_sweep", "sweep_capacities"]
 
@@ -104,8 +105,10 @@ class _Layout(NamedTuple):
 
 
 def _layout(config: SimulationConfig) -> _Layout:
+    # Bytes per block and the fixed groups do not depend on the memory: plan with plenty.
+    budget = attrs.evolve(config.budget, memory_bytes=MAX_BYTES)
     report = plan_model(config.model, PlanConfig(
-        config.budget, concurrency=config.concurrency,
+        budget, concurrency=config.concurrency,
         max_prefill_tokens=config.max_batched_tokens, max_len=config.model_len))
     paged = [g for g in report.groups if g.sizing == "paged"]
     if not paged:
@@ -156,7 +159,8 @@ def sweep_capacities(config: SimulationConfig, points: int) -> tuple[list[int], 
     low = max(longest + extra, config.max_batched_tokens)
     layout = _layout(config)
     sizes = layout.paged_block_sizes
-    room = MAX_STATE_BLOCKS - layout.fixed_blocks - 2 * len(sizes)  # null and rounding
+    # the null block, and memory_for_tokens' slack of two blocks, in each paged group
+    room = MAX_STATE_BLOCKS - layout.fixed_blocks - 4 * len(sizes)
     most = int(room / sum(1 / s for s in sizes))
     capped = high > most
     high = max(low, min(high, most))
@@ -183,7 +187,8 @@ def run_sweep(config: SimulationConfig, *, points: int = 8, jobs: int | None = N
 
     Args:
         config: the run to repeat; its ``budget`` gives ``mem_fraction``,
-            ``used_bytes`` and ``extra_reserved_bytes``, the sweep sets the memory.
+            ``used_bytes`` and ``extra_reserved_bytes``; each point sets its own
+            ``memory_bytes`` (``--memory`` is not used).
         points: how many cache sizes.
         jobs: worker processes (at most ``points``).
         on_point: called with ``(points done, points in all)`` as they finish.
