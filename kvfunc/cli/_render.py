@@ -142,7 +142,8 @@ def render_simulation(result: SimulationResult, console: Console,
                       f"{g.peak_fraction:.1%}", f"{g.mean_blocks:,.0f}", f"{g.mean_fraction:.1%}")
     console.print(table)
     a = result.alloc_us
-    console.print(f"allocator time per step: mean {a['mean']:.0f} us, p50 {a['p50']:.0f} us, "
+    console.print(f"allocator time per step (allocations, frees, prefix lookups): mean "
+                  f"{a['mean']:.0f} us, p50 {a['p50']:.0f} us, "
                   f"p99 {a['p99']:.0f} us, max {a['max']:.0f} us "
                   f"({a['total_ms'] / 1000:.2f} s in all)")
     console.print(f"{result.steps:,} steps, {result.simulated_s:,.1f} simulated s, "

@@ -131,7 +131,8 @@ class Scheduler:
         #: After each step: requests waiting and running, and running totals of
         #: preemptions, refused allocations, admitted prompt tokens and their hits.
         self.series: dict[str, list[int]] = {name: [] for name in SERIES}
-        #: Simulated time at the end of each step, and the allocator's seconds in it.
+        #: Simulated time at the end of each step, and the allocator's seconds in it
+        #: (allocations, frees and prefix lookups).
         self.times: list[float] = []
         self.alloc_s: list[float] = []
         self._spent = 0.0
@@ -217,7 +218,9 @@ class Scheduler:
                 chunk = min(target, budget)
                 batch.append((rid, 0, chunk))
             else:
+                t0 = time.perf_counter()
                 hit = prefix.lookup(state, rid, target)
+                self._spent += time.perf_counter() - t0
                 chunk = min(target - hit.num_tokens, budget)
                 batch.append((rid, hit.num_tokens, chunk, 0, 0, None,
                               prefix.hashes(rid, target), hit))
