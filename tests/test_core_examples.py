@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import kvfunc as kf
-import kvfunc.core._batch
+import kvfunc.core._fold
 
 
 def full(num_blocks: int = 10, block_size: int = 4) -> kf.KVState:
@@ -237,21 +237,20 @@ def test_from_cache_info_groups_like_the_seed() -> None:
 
 
 @pytest.mark.parametrize("make", [kf.SlotRequest, lambda *r: r])
-def test_a_plain_batch_is_planned_group_by_group(make: object,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """SlotRequests without reservations, keys or caching take the group-major path, as
-    plain tuples do: no request goes through the per-request step."""
+def test_quiet_entries_take_the_quiet_lane(make: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode entry that needs no block, recycles none and caches none skips the step
+    (plain tuples and SlotRequests alike); the others run it, in order."""
     s = kf.allocate_batch(full(), [("a", 0, 5), ("b", 0, 3)]).state
-    planned: list[bool] = []
-    group_major = kvfunc.core._batch._group_major
+    stepped: list[object] = []
+    step = kvfunc.core._fold.step
 
-    def spy(*args: Any) -> bool:
-        planned.append(group_major(*args))
-        return planned[-1]
+    def spy(tr: Any, rid: object, *args: Any) -> bool:
+        stepped.append(rid)
+        return step(tr, rid, *args)
 
-    monkeypatch.setattr(kvfunc.core._batch, "_group_major", spy)
+    monkeypatch.setattr(kvfunc.core._fold, "step", spy)
     res = kf.allocate_batch(s, [make("a", 5, 4), make("b", 3, 1)])  # type: ignore[operator]
-    assert [True] == planned
+    assert ["a"] == stepped  # "b" writes its fourth token into the block it holds
     assert ({"full": (1, 2, 4)}, {"full": (3,)}) == (ids(res.state, "a"), ids(res.state, "b"))
 
 
@@ -281,9 +280,12 @@ def test_a_batch_rejects_what_allocate_slots_rejects(req: tuple[object, ...],
         assert before == kf.allocate_batch(s, [("b", 5, 4)])
 
 
-def test_a_batch_names_each_request_once() -> None:
-    """A request id repeated in one batch is a typed error and the input state is kept."""
-    s = swa(num_blocks=2, block_size=1, window=0)
-    with pytest.raises(kf.InvalidArgumentError, match="appears twice in one batch"):
-        kf.allocate_batch(s, [kf.SlotRequest(0, 0, 0, 1), kf.SlotRequest(0, 0, 0, 0)])
-    assert {"swa": ()} == ids(s, 0)
+def test_a_request_named_twice_in_a_batch_runs_twice() -> None:
+    """A request id repeated in one batch is two steps in order, as two allocate_slots calls
+    would be, and the step's one delta replays them."""
+    s = swa(num_blocks=3, block_size=1, window=0)
+    res = kf.allocate_batch(s, [kf.SlotRequest(0, 0, 0, 1), kf.SlotRequest(0, 0, 1, 0)])
+    one = kf.allocate_slots(s, 0, 0, 0, 1)
+    two = kf.allocate_slots(one.state, 0, 0, 1)
+    assert two.state == res.state and () == res.refused
+    assert res.state == kf.replay(s, [res.delta])

@@ -157,7 +157,7 @@ def test_subscriber_rebuilds_the_cached_blocks(groups: dict[str, Any],
     view = CachedBlocksView()
     for ts, (delta, state) in enumerate(step for op in ops for step in engine.run(op)):
         events = events_from_delta(delta, state)
-        for name in ("evicted_keys", "touched_keys", "copied_keys", "cleared_keys"):
+        for name in ("evicted_keys", "shared_keys", "copied_keys", "cleared_keys"):
             if getattr(delta, name):
                 event(name)
         if any(isinstance(e, BlockStored) and len(e.block_hashes) > 1 for e in events):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
+from typing import Any
 
 import pytest
 from hypothesis import event, given, settings
@@ -106,13 +107,15 @@ def test_hit_is_capped_so_one_token_is_computed() -> None:
 
 
 def test_freed_blocks_stay_cached_until_needed_then_lru_is_evicted() -> None:
-    """Freed cached blocks stay hittable; the least recently freed one is evicted first."""
+    """Freed cached blocks stay hittable: uncached free blocks go first, most recently freed
+    first, then the cached ones, least recently freed first (evicted as they go)."""
     s = _state(full=kf.FullAttention(num_blocks=7, block_size=4))
     s = _admit(s, "a", list(range(9))).state           # blocks 1, 2, 3
-    s, _ = kf.free_request(s, "a")                     # queue: 4 5 6 | 3 2 1 (cached 1, 2)
-    s = _admit(s, "b", list(range(100, 109))).state    # takes 4 5 6
-    r = _admit(s, "c", list(range(200, 205)))          # takes 3, 2: evicts 2 (freed before 1)
-    assert kf.get_block_ids(r.state, "c") == {"full": (3, 2)}
+    s, _ = kf.free_request(s, "a")                     # free: 3 4 5 6 | 2 1 (cached 1, 2)
+    assert s.group("full").free_block_ids() == (3, 4, 5, 6, 2, 1)
+    s = _admit(s, "b", list(range(100, 109))).state    # takes 3 4 5
+    r = _admit(s, "c", list(range(200, 205)))          # takes 6, 2: evicts 2 (freed before 1)
+    assert kf.get_block_ids(r.state, "c") == {"full": (6, 2)}
     assert r.delta.evicted_block_ids == (2,)
     hit = kf.lookup_prefix(r.state, kf.BlockHashes.of(range(9), 4), max_tokens=8)
     assert (hit.num_tokens, hit.block_ids["full"]) == (4, (1,))
@@ -158,7 +161,7 @@ def test_hit_on_a_free_block_takes_it_out_of_the_queue() -> None:
     s, _ = kf.free_request(s, "a")
     assert kf.num_free_blocks(s, "full") == 11 and kf.num_cached_blocks(s, "full") == 2
     r = _admit(s, "b", list(range(9)))
-    assert r.delta.touched_block_ids == (2, 1)[::-1] and kf.num_free_blocks(r.state, "full") == 8
+    assert r.delta.shared_block_ids == (1, 2) and kf.num_free_blocks(r.state, "full") == 8
     assert 1 not in r.state.group("full").free_block_ids()
 
 
@@ -349,7 +352,7 @@ def test_ring_compacts_after_many_hits_and_frees() -> None:
         s, d = kf.free_request(r.state, i)
         deltas += [r.delta, d]
     kf.check_invariants(s)
-    assert s.group("full").cache.num_entries < 2 * 64  # type: ignore[union-attr]
+    assert s.group("full").cache.ring_entries < 2 * 64  # type: ignore[union-attr]
     assert kf.replay(s0, deltas) == s
     # Each cycle hits blocks 1, 2, takes the head of 3, 4, 5 and frees it first: 3 rotate.
     assert s.group("full").free_block_ids() == (3, 4, 5, 2, 1)
@@ -380,7 +383,8 @@ def test_a_state_saved_twice_into_one_block_in_a_batch_replays() -> None:
     for req in reqs:
         seq = kf.allocate_slots(seq, req[0], req[1], req[2], block_hashes=req[6]).state
     assert r.state == seq and kf.replay(s, [r.delta]) == r.state
-    assert r.delta.copied_src_block_ids[0] == r.delta.copied_dst_block_ids[0]  # cancelled
+    # the delta is the exact log: A's saved state is cached, then evicted for C's
+    assert r.delta.order == "CTFECTF" and r.delta.evicted_hashes == r.delta.stored_hashes[:1]
 
 
 def test_a_hit_in_the_batch_makes_a_later_writer_copy() -> None:
@@ -403,9 +407,9 @@ def test_batch_registers_a_new_request_with_no_tokens() -> None:
 
 
 @pytest.mark.parametrize("hit", [
-    kf.PrefixHit(4, kf.FrozenDict({"full": (-11,)}), 4),
-    kf.PrefixHit(4, kf.FrozenDict({"full": (1, 2)}), 4),
-    kf.PrefixHit(16, kf.FrozenDict({"full": (1, 2, 3, 4)}), 16),
+    kf.PrefixHit(4, dict({"full": (-11,)}), 4),
+    kf.PrefixHit(4, dict({"full": (1, 2)}), 4),
+    kf.PrefixHit(16, dict({"full": (1, 2, 3, 4)}), 16),
 ])
 def test_a_hit_that_does_not_fit_the_state_or_hashes_is_rejected(hit: kf.PrefixHit) -> None:
     """Hand-built hits with ids out of range, a wrong count, or past the hashes: typed errors."""
@@ -432,7 +436,7 @@ def _longest_hit(state: kf.KVState, h: kf.BlockHashes, cap: int) -> int:
     def has(key: str, bs: int, pos: int) -> bool:
         return h.hashes[(pos + 1) * bs // h.block_size - 1] in cached[key]
 
-    def accepts(g: kf.GroupState, n: int) -> bool:
+    def accepts(g: Any, n: int) -> bool:
         bs, w = g.policy.block_size, g.policy.window
         if not g.policy.grows_with_tokens:
             return has(g.key, bs, n // bs - 1)
@@ -558,9 +562,9 @@ def test_token_ids_by_block_rejects_blocks_not_hashed(first: int, last: int,
         h.token_ids_by_block(first, last, size)
 
 
-def test_saves_in_two_state_groups_undone_in_one_batch() -> None:
-    """Two Mamba groups save a state and evict it again within one batch: both saves are
-    dropped from the delta (each at its own row), and the delta replays."""
+def test_saves_in_two_state_groups_evicted_in_one_batch() -> None:
+    """Two Mamba groups save a state and evict it again within one batch: the delta logs
+    both saves and both evictions in order, and replays."""
     s = kf.KVState.create({"full": kf.FullAttention(num_blocks=40, block_size=2),
                            "m1": kf.Mamba(num_blocks=3, block_size=2),
                            "m2": kf.Mamba(num_blocks=3, block_size=2)}, 1024,
@@ -569,8 +573,8 @@ def test_saves_in_two_state_groups_undone_in_one_batch() -> None:
     s = kf.allocate_slots(s, 0, 0, 3, block_hashes=kf.BlockHashes.of(toks[:3], 2)).state
     r = kf.allocate_batch(s, [(0, 4, 2, 0, 0, None, kf.BlockHashes.of(toks[:6], 2), None)]
                           + [(i, 0, 3, 0, 0, None, None, None) for i in range(1, 4)])
-    assert ((2, 3), ("full", "full"), ("m1", "m2")) == (
-        r.refused, r.delta.stored_keys, r.delta.copied_keys)  # the saves: copies, not stores
+    assert ((2, 3), ("full", "full", "m1", "m2"), ("m1", "m2"), ("m1", "m2")) == (
+        r.refused, r.delta.stored_keys, r.delta.copied_keys, r.delta.evicted_keys)
     assert kf.replay(s, [r.delta]) == r.state
     kf.check_invariants(r.state)
 

@@ -61,6 +61,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.state = self.s0 = kf.KVState.create(groups, 64, enable_prefix_caching=True)
         self.deltas: list[kf.BlocksChanged] = []
         self.lru = {k: [] for k in groups}
+        self.cached: dict[str, set[int]] = {k: set() for k in groups}  # the model's
 
     # -- helpers ---------------------------------------------------------------------
     def _hashes(self, rid: int) -> kf.BlockHashes:
@@ -79,43 +80,38 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert cache is not None
         return {b for blocks in cache.cached().values() for b in blocks}
 
-    def _commit(self, state: kf.KVState, delta: kf.BlocksChanged, freed_order: list[tuple[str, int]]
-                ) -> None:
-        """Apply ``delta`` to the model (LRU order, block contents), then publish ``state``.
+    def _commit(self, state: kf.KVState, delta: kf.BlocksChanged) -> None:
+        """Fold ``delta``'s operations into the model (LRU order, block contents), in order.
 
-        Within one transition blocks are freed, then touched by hits, then
-        handed out (evicting), then states are saved: the model follows that order.
+        A freed block that holds a cached block joins the LRU's young end; a hit
+        takes it out; an eviction must take the LRU's old end; a copy carries its
+        source's contents; a new block is zeroed by the shell.
         """
-        for key, block in freed_order:
-            if block in self._cached(key):  # cached before this transition: keeps its hash
-                self.lru[key].append(block)
-        for key, block in zip(delta.touched_keys, delta.touched_block_ids, strict=True):
-            self.lru[key].remove(block)
-        for key, block in zip(delta.evicted_keys, delta.evicted_block_ids, strict=True):
-            lru = self.lru[key]
-            assert lru and lru[0] == block, f"{key}: evicted {block}, LRU says {lru[:3]}"
-            lru.pop(0)
-        for key in delta.cleared_keys:
-            self.lru[key] = []
-        for name in ("touched_keys", "evicted_keys", "stored_keys", "shared_keys"):
-            if getattr(delta, name):
-                event(name)
-        for pos in delta.copied_positions:
-            event({kf.COPY_SAVED: "saved state", kf.COPY_INTO_NEW: "state hit"}.get(pos, "cow"))
+        for op in delta.operations():
+            kind = type(op).__name__
+            event(kind)
+            if isinstance(op, kf.core.Freed) and op.block_id in self.cached[op.key]:
+                self.lru[op.key].append(op.block_id)
+            elif isinstance(op, kf.core.Shared) and op.block_id in self.lru[op.key]:
+                self.lru[op.key].remove(op.block_id)
+            elif isinstance(op, kf.core.Evicted):
+                lru = self.lru[op.key]
+                assert lru and lru[0] == op.block_id, f"{op.key}: evicted {op.block_id}, {lru}"
+                lru.pop(0)
+                self.cached[op.key].discard(op.block_id)
+            elif isinstance(op, kf.core.Stored):
+                self.cached[op.key].add(op.block_id)
+            elif isinstance(op, kf.core.Cleared):
+                self.lru[op.key], self.cached[op.key] = [], set()
+            elif isinstance(op, kf.core.Copied):  # in order, as the shell copies
+                self.content[(op.key, op.dst_block_id)] = self.content.get(
+                    (op.key, op.src_block_id))
+                event({kf.COPY_SAVED: "saved state", kf.COPY_INTO_NEW: "state hit"}.get(
+                    op.position, "cow"))
+            elif isinstance(op, kf.core.Appended) and op.block_id:
+                self.content[(op.key, op.block_id)] = None  # a new block: the shell zeroes it
         if delta.hit_tokens and delta.hit_tokens[0]:
             event("prefix hit")
-        stored = set(zip(delta.stored_keys, delta.stored_block_ids, strict=True))
-        copies = list(zip(delta.copied_keys, delta.copied_positions, delta.copied_src_block_ids,
-                          delta.copied_dst_block_ids, strict=True))
-        for key, pos, src, dst in copies:  # in row order, as the shell copies
-            self.content[(key, dst)] = self.content.get((key, src))
-            if pos == kf.COPY_SAVED and (key, dst) in stored:  # a cached free block: youngest
-                self.lru[key].append(dst)
-        shared = set(zip(delta.shared_keys, delta.shared_block_ids, strict=True))
-        seeded = {(k, d) for k, p, _, d in copies if p == kf.COPY_INTO_NEW}
-        for key, block in zip(delta.appended_keys, delta.appended_block_ids, strict=True):
-            if block and (key, block) not in shared and (key, block) not in seeded:
-                self.content[(key, block)] = None  # a new block: the shell zeroes it
         self.history.append((state, repr(get_all(state))))
         self.state = state
         self.deltas.append(delta)
@@ -190,9 +186,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         self.tokens[rid] = toks
         self.computed[rid] = len(toks)
-        freed = [(k, b) for k, b in zip(res.delta.freed_keys, res.delta.freed_block_ids,
-                                        strict=True)]
-        self._commit(res.state, res.delta, freed)
+        self._commit(res.state, res.delta)
         self._write(rid, start, len(toks))
 
     @precondition(lambda self: self.tokens)
@@ -245,9 +239,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if rid not in refused:
             self.tokens[rid], self.computed[rid] = toks, len(toks)
             written[rid] = (hit.num_tokens, len(toks))
-        freed = [(k, b) for k, b in zip(batch.delta.freed_keys, batch.delta.freed_block_ids,
-                                        strict=True)]
-        self._commit(batch.state, batch.delta, freed)
+        self._commit(batch.state, batch.delta)
         for r, (start, end) in written.items():
             if r not in refused:
                 self._write(r, start, end)
@@ -261,7 +253,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         state, delta = kf.fork_request(self.state, parent, child)
         self.tokens[child] = list(self.tokens[parent])
         self.computed[child] = self.computed[parent]
-        self._commit(state, delta, [])
+        self._commit(state, delta)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -271,12 +263,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         state, delta = kf.free_request(self.state, rid)
         assert list(zip(delta.freed_keys, delta.freed_block_ids, strict=True)) == order
         del self.tokens[rid], self.computed[rid]
-        self._commit(state, delta, order)
+        self._commit(state, delta)
 
     @rule()
     def reset(self) -> None:
         state, delta = kf.reset_prefix_cache(self.state)
-        self._commit(state, delta, [])
+        self._commit(state, delta)
         assert all(kf.num_cached_blocks(state, k) == 0 for k in state.manager_keys)
 
     # -- invariants ------------------------------------------------------------------
@@ -294,11 +286,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def lru_matches_free_cached_blocks(self) -> None:
+        """The model's cached set and LRU are the state's; uncached free blocks come first."""
         if not hasattr(self, "s0"):
             return
         for g in self.state.groups:
-            cached_free = [b for b in g.free_block_ids() if b in self._cached(g.key)]
+            assert self.cached[g.key] == self._cached(g.key)
+            free = g.free_block_ids()
+            cached_free = [b for b in free if b in self._cached(g.key)]
             assert cached_free == self.lru[g.key], f"{g.key}: {cached_free} != {self.lru[g.key]}"
+            first = [b in self._cached(g.key) for b in free]
+            assert first == sorted(first), f"{g.key}: a cached free block before an uncached one"
 
 
 def get_all(state: kf.KVState) -> Any:

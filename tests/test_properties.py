@@ -1,10 +1,12 @@
 """Properties of the pure core over generated states and programs (``kvfunc.testing``)."""
 
+import attrs
 from hypothesis import given
 from hypothesis import strategies as st
 from pyrsistent import pvector
 
 import kvfunc as kf
+from kvfunc.core import GroupState
 from kvfunc.testing import (
     Allocate,
     Batch,
@@ -37,12 +39,13 @@ states_and_programs = kv_states().flatmap(with_program)
 def rebuilt(state: kf.KVState) -> kf.KVState:
     """An equal state that shares no container with ``state`` (a pre-call copy)."""
     return kf.KVState(state.max_model_len, tuple(
-        kf.GroupState(g.key, g.policy, kf.FrozenDict(dict(g.tables)), pvector(list(g.free_ring)),
-                      g.free_head, g.num_free, g.num_detached)
+        attrs.evolve(g, rows=pvector([None if r is None else r._replace(ids=list(r.ids))
+                                      for r in g.rows]),
+                     free_ring=pvector(list(g.free_ring)))
         for g in state.groups))
 
 
-def held_blocks(group: kf.GroupState) -> int:
+def held_blocks(group: GroupState) -> int:
     """Non-null table entries of a group, counted from the tables themselves."""
     return sum(1 for table in group.tables.values() for block in table if block != kf.NULL_BLOCK)
 

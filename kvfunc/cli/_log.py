@@ -45,7 +45,6 @@ __all__ = ["LOG_VERSION", "DeltaLogWriter", "ReplayFailed", "state_content", "ve
 LOG_VERSION = 1
 _COLUMNS = tuple(f.name for f in attrs.fields(BlocksChanged) if f.name != "version")
 _HASH_COLUMNS = frozenset({"stored_hashes", "stored_parent_hashes", "evicted_hashes"})
-_NESTED_COLUMNS = frozenset({"stored_token_ids"})
 
 
 class ReplayFailed(Exception):
@@ -74,20 +73,22 @@ def _header(state: KVState, meta: dict[str, Any]) -> dict[str, Any]:
             "groups": groups, "meta": meta}
 
 
-def _to_json(name: str, value: tuple[Any, ...]) -> list[Any]:
-    """One delta column as JSON: hashes as hex strings (a parent may be None)."""
+def _to_json(name: str, value: Any) -> Any:
+    """One delta column as JSON: ``order`` as is, hashes as hex (a parent may be None)."""
+    if name == "order":
+        return value
     if name in _HASH_COLUMNS:
         return [None if h is None else h.hex() for h in value]
     return list(value)
 
 
-def _from_json(name: str, value: list[Any]) -> tuple[Any, ...]:
-    """A column read back: hex to bytes, nested lists (token ids) to tuples."""
+def _from_json(name: str, value: Any) -> Any:
+    """A column read back: ``order`` as is, hex to bytes, lists (token ids) to tuples."""
+    if name == "order":
+        return value
     if name in _HASH_COLUMNS:
         return tuple(None if h is None else bytes.fromhex(h) for h in value)
-    if name in _NESTED_COLUMNS:
-        return tuple(tuple(row) for row in value)
-    return tuple(value)
+    return tuple(map(_leaf, value))
 
 
 class DeltaLogWriter:
@@ -117,8 +118,8 @@ class DeltaLogWriter:
 
     def write(self, step: int, delta: BlocksChanged) -> None:
         """Append one delta (its non-empty columns) recorded at ``step``."""
-        columns = {name: _to_json(name, value) for name in _COLUMNS
-                   if (value := getattr(delta, name))}
+        columns: dict[str, Any] = {name: _to_json(name, value) for name in _COLUMNS
+                                   if (value := getattr(delta, name))}
         self._line({"step": step, "delta": columns})
         self.num_deltas += 1
 
@@ -156,13 +157,19 @@ def _delta(record: object, path: str, line: int) -> BlocksChanged:
     columns = record.get("delta") if isinstance(record, dict) else None
     if not isinstance(columns, dict) or set(columns) - set(_COLUMNS):
         raise _malformed(path, line, "expected {\"step\": N, \"delta\": {columns}}")
-    if not all(isinstance(v, list) for v in columns.values()):
-        raise _malformed(path, line, "every delta column must be a list")
+    if not isinstance(columns.get("order", ""), str) or not all(
+            isinstance(v, list) for k, v in columns.items() if k != "order"):
+        raise _malformed(path, line, "a delta's order must be a string, its columns lists")
     try:
         fields: dict[str, Any] = {name: _from_json(name, value) for name, value in columns.items()}
     except (TypeError, ValueError):
         raise _malformed(path, line, "a hash column holds something other than hex") from None
     return BlocksChanged(**fields)
+
+
+def _leaf(value: object) -> object:
+    """A JSON cell as a delta holds it: a list (a block's token ids) becomes a tuple."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 @attrs.define
@@ -184,7 +191,12 @@ class _Reader:
                 if next(lines, None) is not None:
                     raise _malformed(self.path, self.line + 1, "text after the final record")
                 return
-            self.step = record.get("step") if isinstance(record, dict) else None
+            step = record.get("step") if isinstance(record, dict) else None
+            if type(step) is not int or step < 0 or (type(self.step) is int and step < self.step):
+                msg = (f"step {step!r} does not follow step {self.step!r}: steps are "
+                       "non-negative ints that never decrease")
+                raise _malformed(self.path, self.line, msg)
+            self.step = step
             yield _delta(record, self.path, self.line)
 
 
@@ -266,10 +278,10 @@ def verify_log(path: str | Path) -> tuple[KVState, int]:
         lines = _bounded_lines(handle, name)
         try:
             header = json.loads(next(lines, "null"))
+        except UnicodeDecodeError:  # a ValueError: caught first
+            raise CLIError(f"log {name!r} is not UTF-8 text") from None
         except (ValueError, RecursionError):
             raise _malformed(name, 1, "not valid JSON") from None
-        except UnicodeDecodeError:
-            raise CLIError(f"log {name!r} is not UTF-8 text") from None
         state = _initial_state(header, name)
         reader = _Reader(name)
         count = 0
@@ -284,10 +296,10 @@ def verify_log(path: str | Path) -> tuple[KVState, int]:
         except ReplayMismatchError as exc:
             msg = f"delta at line {reader.line} (step {reader.step}) does not apply: {exc}"
             raise ReplayFailed(msg) from None
+        except UnicodeDecodeError:  # a ValueError: caught first
+            raise CLIError(f"log {name!r} is not UTF-8 text") from None
         except (TypeError, ValueError) as exc:
             raise _malformed(name, reader.line, f"a delta column is malformed ({exc})") from None
-        except UnicodeDecodeError:
-            raise CLIError(f"log {name!r} is not UTF-8 text") from None
     if reader.final is None:
         msg = (f"{name}: the log ends at line {reader.line} without its final-state record; "
                "was the run that wrote it interrupted?")

@@ -19,15 +19,17 @@ from kvfunc.core import (
     InvalidArgumentError,
     InvalidTypeError,
     KVState,
+    MissingTensorError,
     NotSupportedError,
 )
-from kvfunc.core._errors import MissingTensorError
-from kvfunc.core._state import usage_string
-from kvfunc.core._transitions import (
-    allocate_into,
+from kvfunc.core._internal import (
     check_manager_keys,
     check_request_id,
+    fold,
     free_into,
+    row_table,
+    slot_entry,
+    usage_string,
 )
 
 __all__ = ["KVCacheManager"]
@@ -91,27 +93,35 @@ class KVCacheManager:
     def allocate_slots(self, request_id: Any, computed_tokens: int, num_new_tokens: int,
                        lookahead_tokens: int = 0, reserved_tokens: int = 0,
                        manager_keys: Collection[str] | None = None) -> bool:
-        """The seed's two-phase allocation; a refusal (``False``) changes nothing."""
-        if type(request_id) is not int and type(request_id) is not str:
-            check_request_id(request_id)
-        if manager_keys is not None:
-            check_manager_keys(manager_keys)
+        """The seed's two-phase allocation; a refusal (``False``) changes nothing.
+
+        Counts must be non-negative ints (not bools, not None); a bad argument
+        raises a typed error and changes nothing.
+        """
         if self._abstract:
-            selected = [k for k in self._abstract if manager_keys is None or k in manager_keys]
-            if selected:
+            keys = check_manager_keys(manager_keys)
+            if any(keys is None or k in keys for k in self._abstract):
                 raise NotSupportedError("Subclasses must implement get_num_skipped_tokens")
-        return allocate_into(self._store.tr, request_id, computed_tokens, num_new_tokens,
-                             lookahead_tokens, reserved_tokens, manager_keys, None)
+        entry = slot_entry(request_id, computed_tokens, num_new_tokens, lookahead_tokens,
+                           reserved_tokens, manager_keys)
+        return not fold(self._store.tr, (entry,))
 
     def free(self, request_id: Any) -> None:
         """Release a request in every manager; unknown or freed ids are a no-op."""
         check_request_id(request_id)
-        free_into(self._store.tr, request_id, None, None)
+        free_into(self._store.tr, request_id, None)
 
     # -- queries --------------------------------------------------------------
     def get_block_ids(self, request_id: Any) -> dict[str, list[int]]:
         """``{manager_key: block ids}`` in manager order (snapshot lists)."""
-        return {g.key: list(g.tables.get(request_id, ())) for g in self._store.tr.groups}
+        tr = self._store.tr
+        slot = tr.slots.get(request_id)
+        out = {}
+        for view in tr.views:
+            rows = view.rows
+            row = rows[slot] if slot is not None and slot < len(rows) else None
+            out[view.key] = [] if row is None else list(row_table(row))
+        return out
 
     def get_request_owner_manager_keys(self, is_owner: bool) -> set[str]:
         """Every key for the owner, else only the Mamba keys."""
@@ -132,7 +142,8 @@ class KVCacheManager:
 
     def format_usage(self) -> str:
         """``"key:used/num_blocks,..."``; the null block counts as used."""
-        return usage_string((g.key, g.policy.num_blocks, g.count) for g in self._store.tr.groups)
+        return usage_string((g.key, g.policy.num_blocks, g.count)
+                            for g in self._store.tr.all_copies())
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int], list[str],
                                                 list[int]]:

@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 
 from kvfunc.compat._store import BlockPool, Store, take_check
 from kvfunc.core import (
-    NULL_BLOCK,
     FullAttention,
     GroupState,
     InvalidArgumentError,
@@ -28,10 +27,15 @@ from kvfunc.core import (
     SlidingWindow,
     UnknownAttentionTypeError,
 )
-from kvfunc.core._state import group_cache_entries
-from kvfunc.core._steps import recycle_into
-from kvfunc.core._transient import GroupTransient
-from kvfunc.core._transitions import check_request_id, free_into
+from kvfunc.core._internal import (
+    GroupCopy,
+    check_request_id,
+    extend_row,
+    free_into,
+    group_cache_entries,
+    recycle_into,
+    row_table,
+)
 
 __all__ = [
     "ATTN_TYPE_MANAGER_MAP",
@@ -90,8 +94,8 @@ class SingleTypeKVCacheManager:
         self.block_pool._index = index
 
     @property
-    def _group(self) -> GroupTransient:
-        return self._store.tr.groups[self._index]
+    def _group(self) -> GroupCopy:
+        return self._store.tr.copy(self._index)
 
     def _group_state(self) -> GroupState:
         return self._group.freeze()
@@ -99,7 +103,9 @@ class SingleTypeKVCacheManager:
     @property
     def req_to_blocks(self) -> Mapping[Any, list[int]]:
         """Read-only snapshot: request id -> block ids (zero-block registrations too)."""
-        return types.MappingProxyType({r: list(t) for r, t in self._group.tables.items()})
+        g = self._group
+        return types.MappingProxyType({r: list(row_table(row)) for r, slot in g.slots.slots.items()
+                                       if (row := g.row(slot)) is not None})
 
     def pre_allocate_blocks(self, request_id: Any, num_tokens: int,
                             reserved_tokens: int = 0) -> tuple[int, bool]:
@@ -110,9 +116,9 @@ class SingleTypeKVCacheManager:
             msg = f"reserved_tokens must be a non-negative int, but got {reserved_tokens!r}"
             raise InvalidArgumentError(msg)
         g = self._group
-        table = g.tables.get(request_id, ())
+        table = g.table(request_id) or ()
         _, need = g.policy.plan_blocks(len(table), num_tokens)
-        reserve = g.policy.num_reserved_blocks(reserved_tokens, len(g.tables))
+        reserve = g.policy.num_reserved_blocks(reserved_tokens, g.num_rows)
         ok = need <= g.count - reserve
         if not ok:
             logger.debug("%s: request %r needs %d blocks, %d free, %d reserved",
@@ -130,9 +136,10 @@ class SingleTypeKVCacheManager:
         check_request_id(request_id)
         g = self._group
         take_check(g, block_num_to_allocate)
-        table = g.tables.get(request_id, ())
+        slot = g.slots.slot_of(request_id)
+        row = g.row(slot)
         nulls = 0
-        if not table and g.window is not None:
+        if (row is None or not row.length) and g.window is not None:
             if num_tokens is None:
                 msg = f"num_tokens is required for the first allocation of {request_id!r}"
                 raise InvalidTypeError(msg)
@@ -142,17 +149,17 @@ class SingleTypeKVCacheManager:
                 msg = ("Sliding-window block table length mismatch after prefill allocation: "
                        f"got={nulls + block_num_to_allocate}, expected={nulls + expected}")
                 raise InvalidArgumentError(msg)
-        ids = g.take(block_num_to_allocate) if block_num_to_allocate else ()
-        g.set_table(request_id, table + (NULL_BLOCK,) * nulls + tuple(ids))
+        ids = g.take(block_num_to_allocate) if block_num_to_allocate else []
+        g.put(slot, extend_row(row if row is not None else g.register(request_id), ids, nulls))
 
     def free(self, request_id: Any) -> None:
         """Release the request's blocks in logical order; unknown ids are a no-op."""
         check_request_id(request_id)
-        free_into(self._store.tr, request_id, (self.manager_key,), None)
+        free_into(self._store.tr, request_id, frozenset((self.manager_key,)))
 
     def get_blocks(self, request_id: Any) -> list[int]:
         """A snapshot list of the request's block ids (``[]`` when unknown)."""
-        return list(self._group.tables.get(request_id, ()))
+        return list(self._group.table(request_id) or ())
 
     def get_num_free_blocks(self) -> int:
         """Free blocks in this manager's pool."""
@@ -168,7 +175,8 @@ class SingleTypeKVCacheManager:
         skipped = self.get_num_skipped_tokens(total_computed_tokens)
         if skipped <= 0:
             return
-        recycle_into(self._group, request_id, total_computed_tokens, None)
+        recycle_into(self._store.tr, request_id, total_computed_tokens,
+                     frozenset((self.manager_key,)))
 
     @staticmethod
     def validate_and_build_kwargs(entries: Iterable[Any]) -> dict[str, Any]:

@@ -16,17 +16,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvfunc.core._cache_info import ModelCacheInfo
-from kvfunc.core._dtypes import dtype_itemsize
-from kvfunc.core._sizing import SizingConfig, calculate_block_num_lazy
-from kvfunc.core._sizing import (
-    calculate_fixed_block_memory_bytes as _calculate_fixed_block_memory_bytes,
-)
-from kvfunc.core._validate import (
+from kvfunc.core import (
     FIXED_BLOCK_ATTN_TYPES,
     SUPPORTED_CACHE_LAYOUTS,
+    ModelCacheInfo,
+    SizingConfig,
+    dtype_itemsize,
     validate_cache_info,
 )
+from kvfunc.core import calculate_fixed_block_memory_bytes as _calculate_fixed_block_memory_bytes
+from kvfunc.core._internal import calculate_block_num_lazy
 from kvfunc.shell._memory import device_memory_info
 
 __all__ = [

@@ -24,7 +24,7 @@ from kvfunc.core import (
     KVState,
     OutOfBlocksError,
 )
-from kvfunc.core._transient import GroupTransient, Transient
+from kvfunc.core._internal import GroupCopy, Transient
 
 __all__ = ["BlockPool", "Store"]
 
@@ -103,8 +103,8 @@ class BlockPool:
         return pool
 
     @property
-    def _group(self) -> GroupTransient:
-        return self._store.tr.groups[self._index]
+    def _group(self) -> GroupCopy:
+        return self._store.tr.copy(self._index)
 
     @property
     def _free_block_queue(self) -> tuple[int, ...]:
@@ -133,7 +133,7 @@ class BlockPool:
         take_check(g, num_blocks)
         ids = g.take(num_blocks)
         g.detached += num_blocks
-        return list(ids)
+        return ids
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         """Return ids to the tail, in order; the null id is skipped.
@@ -144,7 +144,8 @@ class BlockPool:
         ids = list(block_ids)
         g = self._group
         free = set(g.free_ids())
-        held = {b for t in g.tables.values() for b in t}
+        rows = [g.row(i) for i in range(len(g.rows))]
+        held = {b for r in rows if r is not None for b in r.ids[r.nulls:r.length]}
         to_free: list[int] = []
         for b in ids:
             _check_block_id(b, self.num_blocks)
@@ -158,11 +159,11 @@ class BlockPool:
                 raise InvalidArgumentError(msg)
             free.add(b)
             to_free.append(b)
-        g.give(to_free)
+        g.free(to_free)
         g.detached -= len(to_free)
 
 
-def take_check(g: GroupTransient, num_blocks: Any) -> None:
+def take_check(g: GroupCopy, num_blocks: Any) -> None:
     """The seed's ``get_new_blocks`` argument checks, before anything is taken."""
     if type(num_blocks) is not int:
         msg = f"num_blocks must be an int, but got {num_blocks!r}"

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from kvfunc.core._errors import InvalidTypeError
-from kvfunc.core._state import KVState
+from kvfunc.core import InvalidTypeError, KVState
 from kvfunc.shell._device import DeviceLike
 from kvfunc.shell._tables import build_block_tables, build_slot_mappings
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvfunc.core._cache_info import CacheEntry, ModelCacheInfo
+from kvfunc.core import CacheEntry, ModelCacheInfo
 from kvfunc.shell._device import DeviceLike
 from kvfunc.shell._tensors import create_cache_tensors, plan_cache_tensors
 

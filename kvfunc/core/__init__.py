@@ -1,9 +1,23 @@
 """The pure core: states, transitions, deltas, policies and sizing.
 
-Imports only the standard library, attrs and pyrsistent (never torch).
+Imports only the standard library, attrs and pyrsistent (never torch).  The
+modules, by what they hold:
+
+* metadata and sizing: ``_cache_info``, ``_dtypes``, ``_validate``, ``_sizing``;
+* policies (one per attention type): ``_policy``;
+* the state: ``_state`` (values), ``_rows`` (block tables), ``_pool`` (the
+  free queue), ``_cache`` (reference counts and the hash store),
+  ``_invariants``;
+* working copies and their primitives: ``_group``, ``_cache_group``;
+* the step and its folds: ``_step``, ``_fold``, ``_transitions``;
+* prefix caching: ``_hashing``, ``_prefix``, ``_prefix_ops``;
+* deltas and replay: ``_delta``, ``_replay``;
+* argument checks and errors: ``_checks``, ``_errors``.
+
+``kvfunc.core._internal`` names what the compat facade and the shell build on.
 """
 
-from kvfunc.core._batch import BatchResult, SlotRequest, allocate_batch
+from kvfunc.core import _cache_group  # noqa: F401  (registers the caching working copy)
 from kvfunc.core._cache_info import (
     CacheAllocator,
     CacheEntry,
@@ -13,8 +27,25 @@ from kvfunc.core._cache_info import (
     ModelCacheInfo,
     OffloadWorkspaceMemoryInfo,
 )
-from kvfunc.core._cache_state import GroupCache
-from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, DELTA_VERSION, BlocksChanged
+from kvfunc.core._checks import MAX_NUM_BLOCKS
+from kvfunc.core._delta import (
+    COPY_INTO_NEW,
+    COPY_SAVED,
+    DELTA_VERSION,
+    Appended,
+    BlocksChanged,
+    Cleared,
+    Copied,
+    Evicted,
+    Freed,
+    LookedUp,
+    Nulled,
+    Operation,
+    Registered,
+    Released,
+    Shared,
+    Stored,
+)
 from kvfunc.core._dtypes import dtype_itemsize
 from kvfunc.core._errors import (
     BlockIndexError,
@@ -34,7 +65,9 @@ from kvfunc.core._errors import (
     UnknownAttentionTypeError,
     UnknownRequestError,
 )
+from kvfunc.core._fold import SlotRequest
 from kvfunc.core._hashing import HASH_FUNCTIONS, BlockHash, BlockHashes, hash_function
+from kvfunc.core._invariants import check_invariants
 from kvfunc.core._policy import (
     FullAttention,
     Mamba,
@@ -57,17 +90,11 @@ from kvfunc.core._sizing import (
     calculate_block_num,
     calculate_fixed_block_memory_bytes,
 )
-from kvfunc.core._state import (
-    NULL_BLOCK,
-    BlockId,
-    FrozenDict,
-    GroupState,
-    KVState,
-    RequestId,
-    check_invariants,
-)
+from kvfunc.core._state import NULL_BLOCK, BlockId, GroupState, KVState, RequestId
 from kvfunc.core._transitions import (
     AllocationResult,
+    BatchResult,
+    allocate_batch,
     allocate_slots,
     format_usage,
     free_request,
@@ -87,9 +114,11 @@ __all__ = [
     "DELTA_VERSION",
     "FIXED_BLOCK_ATTN_TYPES",
     "HASH_FUNCTIONS",
+    "MAX_NUM_BLOCKS",
     "NULL_BLOCK",
     "SUPPORTED_CACHE_LAYOUTS",
     "AllocationResult",
+    "Appended",
     "BatchResult",
     "BlockHash",
     "BlockHashes",
@@ -98,10 +127,12 @@ __all__ = [
     "BlocksChanged",
     "CacheAllocator",
     "CacheEntry",
+    "Cleared",
+    "Copied",
     "DoubleFreeError",
-    "FrozenDict",
+    "Evicted",
+    "Freed",
     "FullAttention",
-    "GroupCache",
     "GroupState",
     "InsufficientMemoryError",
     "InvalidArgumentError",
@@ -112,6 +143,7 @@ __all__ = [
     "LLMError",
     "LLMStatusCode",
     "LayerCacheInfo",
+    "LookedUp",
     "Mamba",
     "MambaCacheEntry",
     "MemoryBudgetItem",
@@ -119,16 +151,22 @@ __all__ = [
     "MissingTensorError",
     "ModelCacheInfo",
     "NotSupportedError",
+    "Nulled",
     "OffloadWorkspaceMemoryInfo",
+    "Operation",
     "OutOfBlocksError",
     "Policy",
     "PrefixCacheStats",
     "PrefixHit",
+    "Registered",
+    "Released",
     "ReplayMismatchError",
     "RequestId",
+    "Shared",
     "SizingConfig",
     "SlidingWindow",
     "SlotRequest",
+    "Stored",
     "UnknownAttentionTypeError",
     "UnknownRequestError",
     "allocate_batch",

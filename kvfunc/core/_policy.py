@@ -1,21 +1,23 @@
 """Allocation policies: one small pure unit per attention type.
 
-A policy answers three questions about one request in one group, given only
-the number of table entries the request already holds and token counts:
+A policy answers, for one request in one group, given only how many table
+entries the request holds and token counts:
 
-* how many of its leading tokens are dead (``num_skipped_tokens``) so that
+* how many of its leading tokens are dead (``num_skipped_tokens``), so that
   their blocks can be recycled;
 * how many null entries and new blocks a table of ``num_tokens`` tokens needs
   (``plan_blocks``);
 * how many blocks must stay free for other registered requests
   (``num_reserved_blocks``).
 
-It never sees the pool or other requests: the group combinator in
-``_transitions`` does the two-phase check over all groups, like
-``optax.chain`` composes transformations.  A new attention type is one frozen
-class with these methods, registered with :func:`register_policy`.
+:func:`plan_step` composes these into the one plan of a step (what to
+recycle, what to append) and :func:`hit_span` into the blocks a prefix hit
+must find cached, so a new attention type is one frozen class with these
+methods, registered with :func:`register_policy`.  A policy never sees the
+pool or other requests: the step in ``_step`` does the two-phase check over
+all groups, like ``optax.chain`` composes transformations.
 
-Two class-level hints let the hot loop skip method calls on the common path:
+Two class-level hints let the step's quiet check skip method calls:
 ``grows_with_tokens`` (a request that already holds entries needs
 ``ceil(num_tokens / block_size) - held`` more blocks) and ``window`` (when not
 ``None``, ``num_skipped_tokens(c) == max(0, c - window + 1)``).
@@ -28,6 +30,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 
+from kvfunc.core._checks import MAX_NUM_BLOCKS, excerpt
 from kvfunc.core._errors import InvalidArgumentError, UnknownAttentionTypeError
 
 __all__ = [
@@ -35,6 +38,8 @@ __all__ = [
     "Mamba",
     "Policy",
     "SlidingWindow",
+    "hit_span",
+    "plan_step",
     "policy_class",
     "register_policy",
     "registered_attn_types",
@@ -70,13 +75,20 @@ class Policy(Protocol):
 
 def _check_positive_int(owner: str, name: str, value: object) -> None:
     if type(value) is not int or value <= 0:
-        msg = f"{owner} {name} must be a positive int, but got {value!r}"
+        msg = f"{owner} {name} must be a positive int, but got {excerpt(value)}"
+        raise InvalidArgumentError(msg)
+
+
+def _check_num_blocks(owner: str, value: object) -> None:
+    _check_positive_int(owner, "num_blocks", value)
+    if value > MAX_NUM_BLOCKS:  # type: ignore[operator]
+        msg = f"{owner} num_blocks must be at most {MAX_NUM_BLOCKS}, but got {value}"
         raise InvalidArgumentError(msg)
 
 
 def _check_non_negative_int(owner: str, name: str, value: object) -> None:
     if type(value) is not int or value < 0:
-        msg = f"{owner} {name} must be a non-negative int, but got {value!r}"
+        msg = f"{owner} {name} must be a non-negative int, but got {excerpt(value)}"
         raise InvalidArgumentError(msg)
 
 
@@ -133,7 +145,7 @@ class FullAttention(_KeepsEveryToken):
     compress_ratio: int = 1
 
     def __attrs_post_init__(self) -> None:
-        _check_positive_int("FullAttention", "num_blocks", self.num_blocks)
+        _check_num_blocks("FullAttention", self.num_blocks)
         _check_positive_int("FullAttention", "block_size", self.block_size)
         _check_positive_int("FullAttention", "compress_ratio", self.compress_ratio)
 
@@ -181,7 +193,7 @@ class SlidingWindow:
     sliding_window: int
 
     def __attrs_post_init__(self) -> None:
-        _check_positive_int("SlidingWindow", "num_blocks", self.num_blocks)
+        _check_num_blocks("SlidingWindow", self.num_blocks)
         _check_positive_int("SlidingWindow", "block_size", self.block_size)
         _check_non_negative_int("SlidingWindow", "sliding_window", self.sliding_window)
 
@@ -240,7 +252,7 @@ class Mamba(_KeepsEveryToken):
     next_n: int = 0
 
     def __attrs_post_init__(self) -> None:
-        _check_positive_int("Mamba", "num_blocks", self.num_blocks)
+        _check_num_blocks("Mamba", self.num_blocks)
         _check_positive_int("Mamba", "block_size", self.block_size)
         _check_non_negative_int("Mamba", "next_n", self.next_n)
 
@@ -325,6 +337,56 @@ def policies_by_key(groups: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
             msg = f"group {key!r}: {policy!r} is not a policy"
             raise InvalidArgumentError(msg)
     return items
+
+
+def plan_step(policy: Policy, held: int, nulls: int, computed: int, total: int
+              ) -> tuple[int, int, int]:
+    """One request's step in one group: ``(upto, add_nulls, need)``.
+
+    The table holds ``held`` entries, the first ``nulls`` of them null.
+    Positions ``nulls .. upto - 1`` slid out of the window and are recycled
+    (``upto <= nulls`` when nothing is), then ``add_nulls`` null entries and
+    ``need`` new blocks are appended so that the table covers ``total``
+    tokens.  Null entries only ever form a prefix of a table.
+
+    >>> plan_step(SlidingWindow(num_blocks=9, block_size=4, sliding_window=8), 3, 0, 12, 13)
+    (1, 0, 1)
+    >>> plan_step(FullAttention(num_blocks=9, block_size=4), 0, 0, 0, 9)
+    (0, 0, 3)
+    """
+    if not held:
+        add_nulls, need = policy.plan_blocks(0, total)
+        return 0, add_nulls, need
+    upto = 0
+    if policy.window is not None or policy.may_skip:
+        skipped = policy.num_skipped_tokens(computed)
+        if skipped > 0:
+            upto = min(skipped // policy.block_size, held)
+    if policy.grows_with_tokens:
+        need = -(-total // policy.block_size) - held
+        return upto, 0, need if need > 0 else 0
+    add_nulls, need = policy.plan_blocks(held, total)
+    return upto, add_nulls, need
+
+
+def hit_span(policy: Policy, num_tokens: int) -> tuple[int, int]:
+    """Table positions ``first .. last - 1`` that must be cached for a hit of ``num_tokens``.
+
+    A policy that grows with tokens needs the blocks its window still reads
+    (every block for full attention); a state (``grows_with_tokens`` False)
+    needs the state saved at exactly ``num_tokens``, the one block
+    ``num_tokens // block_size - 1``.
+
+    >>> hit_span(SlidingWindow(num_blocks=9, block_size=4, sliding_window=8), 16)
+    (2, 4)
+    >>> hit_span(FullAttention(num_blocks=9, block_size=4), 16), hit_span(Mamba(9, 4), 16)
+    ((0, 4), (3, 4))
+    """
+    bs = policy.block_size
+    last = num_tokens // bs
+    if not policy.grows_with_tokens:
+        return last - 1, last
+    return min(policy.num_skipped_tokens(num_tokens) // bs, last), last
 
 
 for _cls in (FullAttention, SlidingWindow, Mamba):

@@ -6,15 +6,17 @@ from collections.abc import Iterable
 
 import attrs
 
-from kvfunc.core._cache_transient import CacheGroupTransient
+from kvfunc.core._checks import check_request_id, excerpt
 from kvfunc.core._delta import BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, UnknownRequestError
-from kvfunc.core._prefix import _require_caching
-from kvfunc.core._state import KVState, RequestId, find_group
-from kvfunc.core._transient import Transient
-from kvfunc.core._transitions import check_request_id
+from kvfunc.core._group import Transient
+from kvfunc.core._prefix import require_caching
+from kvfunc.core._rows import Row, row_table
+from kvfunc.core._state import KVState, RequestId, check_state, find_group
 
 __all__ = ["PrefixCacheStats", "fork_request", "num_cached_blocks", "reset_prefix_cache"]
+
+_new = tuple.__new__
 
 
 def fork_request(state: KVState, parent: RequestId, child: RequestId
@@ -23,10 +25,9 @@ def fork_request(state: KVState, parent: RequestId, child: RequestId
 
     For parallel sampling and beam search.  Nothing is copied now: the first
     allocation of either request that writes into a block both hold gives
-    the writer its own copy (a ``copied_*`` row in that delta, which the
-    shell performs before the step runs).  Give the child's allocations
-    hashes of the child's own tokens: the parent's may name tokens the
-    child never had.
+    the writer its own copy (a copy row in that delta, which the shell
+    performs before the step runs).  Give the child's allocations hashes of
+    the child's own tokens: the parent's may name tokens the child never had.
 
     Raises:
         NotSupportedError: the state has no reference counts (create it with
@@ -44,27 +45,27 @@ def fork_request(state: KVState, parent: RequestId, child: RequestId
     >>> get_block_ids(r.state, "c"), r.delta.copied_src_block_ids, r.delta.copied_dst_block_ids
     ({'full': (1, 3)}, (2,), (3,))
     """
-    _require_caching(state, "fork_request")
+    check_state(state)
+    require_caching(state, "fork_request")
     check_request_id(parent)
     check_request_id(child)
-    if not any(parent in g.tables for g in state.groups):
-        raise UnknownRequestError(f"cannot fork unknown request {parent!r}")
-    if any(child in g.tables for g in state.groups):
-        raise InvalidArgumentError(f"cannot fork into {child!r}: it is already registered")
-    tr = Transient(state)
+    if not any(g.row(parent) is not None for g in state.groups):
+        raise UnknownRequestError(f"cannot fork unknown request {excerpt(parent)}")
+    if any(g.row(child) is not None for g in state.groups):
+        msg = f"cannot fork into {excerpt(child)}: it is already registered"
+        raise InvalidArgumentError(msg)
     sink = DeltaBuilder()
-    rows = sink.cache_rows()
-    for g in tr.groups:
-        table = g.tables.get(parent)
-        if table is None:
+    tr = Transient(state, sink)
+    slots = tr.slots
+    for i, view in enumerate(state.groups):
+        row = view.row(parent)
+        if row is None:
             continue
-        assert isinstance(g, CacheGroupTransient)
-        key = g.key
-        sink.registered.append((key, child))
-        sink.appended.extend([(key, child, b) for b in table])
-        rows.shared.extend([(key, child, b) for b in table if b])
-        g.share(table)  # held by the parent: never free, so none is touched
-        g.set_table(child, table)
+        g = tr.copy(i)
+        g.put(slots.slot_of(parent), _new(Row, (row.ids, row.length, row.nulls, row.length,
+                                                row.stored)))
+        shared = g.share(child, g.register(child), row_table(row))  # type: ignore[attr-defined]
+        g.put(slots.slot_of(child), shared)
     return tr.freeze(), sink.build()
 
 
@@ -74,6 +75,9 @@ def reset_prefix_cache(state: KVState) -> tuple[KVState, BlocksChanged]:
     Blocks of running requests are cached again as their requests go on
     (their next allocation with ``block_hashes`` stores them).
 
+    Raises:
+        NotSupportedError: the state has no prefix cache.
+
     >>> from kvfunc.core import BlockHashes, FullAttention, KVState, allocate_slots
     >>> s = KVState.create({"full": FullAttention(num_blocks=8, block_size=4)}, 64,
     ...                    enable_prefix_caching=True)
@@ -81,14 +85,12 @@ def reset_prefix_cache(state: KVState) -> tuple[KVState, BlocksChanged]:
     >>> num_cached_blocks(s, "full"), num_cached_blocks(reset_prefix_cache(s)[0], "full")
     (2, 0)
     """
-    _require_caching(state, "reset_prefix_cache")
-    tr = Transient(state)
+    check_state(state)
+    require_caching(state, "reset_prefix_cache")
     sink = DeltaBuilder()
-    rows = sink.cache_rows()
-    for g in tr.groups:
-        assert isinstance(g, CacheGroupTransient)
-        g.clear_cache()
-        rows.cleared.append(g.key)
+    tr = Transient(state, sink)
+    for g in tr.all_copies():
+        g.clear()  # type: ignore[attr-defined]
     return tr.freeze(), sink.build()
 
 
@@ -100,8 +102,9 @@ def num_cached_blocks(state: KVState, manager_key: str) -> int:
     ...                   "f")
     0
     """
+    check_state(state)
     cache = find_group(state.groups, manager_key).cache
-    return 0 if cache is None else cache.num_cached()
+    return 0 if cache is None else cache.num_cached_blocks
 
 
 @attrs.frozen(slots=True)
@@ -109,7 +112,8 @@ class PrefixCacheStats:
     """Prefix-cache metrics accumulated from deltas (a value; :meth:`add` returns a new one).
 
     >>> from kvfunc.core import BlocksChanged
-    >>> d = BlocksChanged(hit_request_ids=("a", "b"), hit_tokens=(0, 48), hit_query_tokens=(64, 64))
+    >>> d = BlocksChanged(order="HH", hit_request_ids=("a", "b"), hit_tokens=(0, 48),
+    ...                   hit_query_tokens=(64, 64))
     >>> s = PrefixCacheStats().add(d)
     >>> s.queries, s.hits, s.hit_tokens, s.hit_rate
     (2, 1, 48, 0.375)

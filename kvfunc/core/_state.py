@@ -2,25 +2,22 @@
 
 Theory of operation
 -------------------
-A :class:`KVState` is a tuple of :class:`GroupState`, one per manager key in
-manager order, plus ``max_model_len``.  A group holds
+A :class:`KVState` is ``max_model_len`` and a tuple of :class:`GroupState`,
+one per manager key in manager order.  A group holds
 
 * its policy (a frozen record: pool size, block size, type parameters);
-* ``tables``: request id -> tuple of block ids in logical order (null entries
-  are block 0), a :class:`FrozenDict` that a transition copies once;
-* the free queue as a ring (``free_ring``, ``free_head``, ``num_free``):
-  blocks are handed out at the head, freed ones re-enter at the tail, exactly
-  the seed's FIFO.  The ring is a persistent vector of fixed-size tuples
-  (``FREE_CHUNK`` ids each): popping only moves the head, and pushing a run
-  of ids rewrites one or two chunks, so a transition shares every other chunk
-  with the state it came from and pays one vector update per touched chunk
-  rather than one per block (a pyrsistent update costs ~0.5 us);
+* its block tables as rows (``_rows``): a persistent vector of
+  :class:`~kvfunc.core._rows.Row` indexed by the slot that the lineage's
+  shared :class:`~kvfunc.core._rows.SlotMap` gives each request id;
+* the free queue (``_pool``): a ring of chunks with ``free_head`` and
+  ``num_free``, exactly the seed's FIFO;
 * ``num_detached``: blocks taken straight from the pool (the seed's
-  ``BlockPool.get_new_blocks``) that no request holds.
+  ``BlockPool.get_new_blocks``) that no request holds;
+* with prefix caching, a :class:`~kvfunc.core._cache.GroupCache`.
 
-Conservation: ``num_free + held + num_detached == num_blocks - 1`` where
-``held`` counts the non-null entries of all tables; the null block 0 is never
-free and never held.  :func:`check_invariants` checks it and more.
+Conservation: ``num_free + held + num_detached == num_blocks - 1``, where
+``held`` counts the distinct non-null blocks of all tables; the null block 0
+is never free and never held.  :func:`check_invariants` checks it and more.
 """
 
 from __future__ import annotations
@@ -31,35 +28,29 @@ from typing import Any, NoReturn, TypeVar
 import attrs
 from pyrsistent import PVector, pvector
 
-from kvfunc.core._cache_state import GroupCache
-from kvfunc.core._errors import InvalidArgumentError, UnknownRequestError
+from kvfunc.core._cache import GroupCache, live_ring_ids
+from kvfunc.core._checks import MAX_NUM_BLOCKS, excerpt
+from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, UnknownRequestError
 from kvfunc.core._policy import Policy, policies_by_key, policy_class
+from kvfunc.core._pool import FREE_CHUNK, new_ring, ring_entries
+from kvfunc.core._rows import Row, SlotMap, row_table
 
 __all__ = [
-    "FREE_CHUNK",
-    "NULL_BLOCK",
-    "BlockId",
-    "FrozenDict",
-    "GroupState",
-    "KVState",
-    "RequestId",
-    "check_invariants",
+    "NULL_BLOCK", "BlockId", "FrozenDict", "GroupState", "KVState", "RequestId",
+    "check_state", "find_group", "reslot", "usage_string",
 ]
 
 BlockId = int
 RequestId = str | int
 NULL_BLOCK: BlockId = 0
-FREE_CHUNK = 64
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+_EMPTY_ROWS: PVector[Row | None] = pvector()
 
 
 class FrozenDict(dict[_K, _V]):
     """A ``dict`` whose mutating methods raise: reads at dict speed.
-
-    Transitions build a new one (one copy per transition) and never change a
-    published one.
 
     >>> d = FrozenDict({"a": (1, 2)})
     >>> d["a"]
@@ -91,7 +82,42 @@ class FrozenDict(dict[_K, _V]):
         return hash(frozenset(self.items()))
 
 
-EMPTY_TABLES: FrozenDict[Any, tuple[int, ...]] = FrozenDict()
+class TablesView(Mapping[RequestId, tuple[BlockId, ...]]):
+    """A group's block tables as a read-only mapping (built on access; not the hot path)."""
+
+    __slots__ = ("_rows", "_slots")
+
+    def __init__(self, rows: Any, slots: SlotMap) -> None:
+        self._rows = rows
+        self._slots = slots
+
+    def _row(self, request_id: object) -> Row | None:
+        slot = self._slots.slots.get(request_id)  # type: ignore[call-overload]
+        if slot is None or slot >= len(self._rows):
+            return None
+        row: Row | None = self._rows[slot]
+        return row
+
+    def __getitem__(self, request_id: RequestId) -> tuple[BlockId, ...]:
+        row = self._row(request_id)
+        if row is None:
+            raise KeyError(request_id)
+        return row_table(row)
+
+    def __contains__(self, request_id: object) -> bool:
+        return self._row(request_id) is not None
+
+    def __iter__(self) -> Iterator[RequestId]:
+        rows, n = self._rows, len(self._rows)
+        for rid, slot in list(self._slots.slots.items()):
+            if slot < n and rows[slot] is not None:
+                yield rid
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"TablesView({dict(self)!r})"
 
 
 @attrs.frozen(slots=True, eq=False, repr=False)
@@ -100,7 +126,9 @@ class GroupState:
 
     key: str
     policy: Policy
-    tables: FrozenDict[RequestId, tuple[BlockId, ...]]
+    rows: PVector[Row | None]
+    num_rows: int
+    slots: SlotMap
     free_ring: PVector[tuple[BlockId, ...]]
     free_head: int
     num_free: int
@@ -108,46 +136,63 @@ class GroupState:
     cache: GroupCache | None = None
 
     @classmethod
-    def create(cls, key: str, policy: Policy, *, caching: bool = False) -> GroupState:
+    def create(cls, key: str, policy: Policy, *, caching: bool = False,
+               slots: SlotMap | None = None) -> GroupState:
         """A fresh group: ids ``1 .. num_blocks - 1`` free in order, null block 0.
 
-        With ``caching`` the group also counts references and keeps a
-        prefix cache (see :class:`GroupCache`).
+        With ``caching`` the group also counts references and keeps a prefix
+        cache (see :class:`~kvfunc.core._cache.GroupCache`).
 
         >>> from kvfunc.core._policy import FullAttention
         >>> GroupState.create("full", FullAttention(num_blocks=4, block_size=16)).free_block_ids()
         (1, 2, 3)
         """
         n = policy.num_blocks
-        # A caching group's ring also holds stale entries (see GroupCache): twice the room
-        # makes compacting it rare.
-        chunks = max(1, -(-(n - 1) // FREE_CHUNK)) * (2 if caching else 1)
-        ids = list(range(1, n)) + [NULL_BLOCK] * (chunks * FREE_CHUNK - (n - 1))
-        ring = pvector(tuple(ids[i:i + FREE_CHUNK]) for i in range(0, len(ids), FREE_CHUNK))
-        cache = GroupCache.create(n) if caching else None
-        return cls(key, policy, EMPTY_TABLES, ring, 0, n - 1, 0, cache)
+        if type(n) is not int or not 0 < n <= MAX_NUM_BLOCKS:
+            msg = f"group {key!r}: num_blocks must be in 1..{MAX_NUM_BLOCKS}, got {excerpt(n)}"
+            raise InvalidArgumentError(msg)
+        slots = SlotMap() if slots is None else slots
+        if caching:  # every block starts on the stack; the ring (twice the room) starts empty
+            return cls(key, policy, _EMPTY_ROWS, 0, slots, new_ring((), 2 * (n - 1)), 0, n - 1,
+                       0, GroupCache.create(n))
+        return cls(key, policy, _EMPTY_ROWS, 0, slots, new_ring(range(1, n), n - 1), 0, n - 1)
+
+    def row(self, request_id: RequestId) -> Row | None:
+        """The request's row, or None when it is not registered here."""
+        slot = self.slots.slots.get(request_id)
+        if slot is None or slot >= len(self.rows):
+            return None
+        row: Row | None = self.rows[slot]
+        return row
+
+    def table(self, request_id: RequestId) -> tuple[BlockId, ...]:
+        """The request's block ids in logical order (null entries are 0; ``()`` when unknown)."""
+        row = self.row(request_id)
+        return () if row is None else row_table(row)
+
+    @property
+    def tables(self) -> Mapping[RequestId, tuple[BlockId, ...]]:
+        """Every registered request's table, as a read-only mapping built on access."""
+        return TablesView(self.rows, self.slots)
 
     def free_block_ids(self) -> tuple[BlockId, ...]:
         """Free block ids in hand-out order (head first)."""
-        ring, head = self.free_ring, self.free_head
-        cap = len(ring) * FREE_CHUNK
         cache = self.cache
-        if cache is not None:
-            return tuple(cache.live_entries(ring, head, cap))
-        out = []
-        for i in range(self.num_free):
-            p = (head + i) % cap
-            out.append(ring[p // FREE_CHUNK][p % FREE_CHUNK])
-        return tuple(out)
+        if cache is None:
+            return tuple(ring_entries(self.free_ring, self.free_head, self.num_free))
+        ring, head = self.free_ring, self.free_head
+        live = live_ring_ids(lambda c: ring[c], FREE_CHUNK, head, len(ring) * FREE_CHUNK,
+                             cache.ring_entries, cache.stale)
+        return (*cache.stack_ids(), *live)
 
     def num_held(self) -> int:
-        """Non-null table entries over all requests."""
-        return sum(len(t) - t.count(NULL_BLOCK) for t in self.tables.values())
+        """Distinct non-null blocks held by tables."""
+        return len({b for t in self.tables.values() for b in t if b})
 
     def _identity(self) -> tuple[Any, ...]:
         cache = None if self.cache is None else self.cache.identity()
-        return (self.key, self.policy, dict(self.tables), self.free_block_ids(), self.num_detached,
-                cache)
+        return (self.key, self.policy, dict(self.tables), self.free_block_ids(),
+                self.num_detached, cache)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, GroupState):
@@ -157,11 +202,24 @@ class GroupState:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return (
-            f"GroupState(key={self.key!r}, policy={self.policy!r}, "
-            f"tables={dict(self.tables)!r}, free={self.num_free}, "
-            f"detached={self.num_detached})"
-        )
+        return (f"GroupState(key={self.key!r}, policy={self.policy!r}, "
+                f"tables={dict(self.tables)!r}, free={self.num_free}, "
+                f"detached={self.num_detached})")
+
+
+def reslot(groups: Iterable[GroupState]) -> tuple[GroupState, ...]:
+    """The same groups on one fresh :class:`SlotMap` holding only their live requests."""
+    groups = tuple(groups)
+    slots = SlotMap()
+    rebuilt = []
+    for g in groups:
+        rows: list[Row | None] = []
+        for rid in g.tables:
+            slot = slots.slot_of(rid)
+            rows.extend([None] * (slot + 1 - len(rows)))
+            rows[slot] = g.row(rid)
+        rebuilt.append(attrs.evolve(g, rows=pvector(rows), slots=slots))
+    return tuple(rebuilt)
 
 
 @attrs.frozen(slots=True, repr=False)
@@ -169,8 +227,7 @@ class KVState:
     """The whole allocator state: one :class:`GroupState` per manager key.
 
     States are values: equal when their groups are equal, never mutated.
-    Keeping an old state costs only what later states changed (structural
-    sharing of the ring; block tuples are shared by reference).
+    Keeping an old state costs only what later states changed.
 
     >>> from kvfunc.core._policy import FullAttention, SlidingWindow
     >>> s = KVState.create({"full": FullAttention(num_blocks=20, block_size=16),
@@ -184,13 +241,18 @@ class KVState:
     max_model_len: int
     groups: tuple[GroupState, ...]
 
+    def __attrs_post_init__(self) -> None:
+        groups = self.groups
+        if groups and any(g.slots is not groups[0].slots for g in groups):
+            object.__setattr__(self, "groups", reslot(groups))  # built from several lineages
+
     @classmethod
     def create(cls, groups: Mapping[str, Policy], max_model_len: int, *,
                enable_prefix_caching: bool = False) -> KVState:
         """A fresh state from ``{manager_key: policy}`` in manager order.
 
         ``enable_prefix_caching`` turns on reference counts, the prefix cache
-        and forks in every group (see :mod:`kvfunc.core._prefix`); without
+        and forks in every group (see :func:`~kvfunc.lookup_prefix`); without
         it the state hands out exactly the seed's block ids.
 
         >>> from kvfunc.core._policy import FullAttention
@@ -198,10 +260,10 @@ class KVState:
         KVState(max_model_len=64, groups=('full',), usage='full:1/3')
         """
         if type(max_model_len) is not int or max_model_len < 0:
-            msg = f"max_model_len must be a non-negative int, but got {max_model_len!r}"
+            msg = f"max_model_len must be a non-negative int, but got {excerpt(max_model_len)}"
             raise InvalidArgumentError(msg)
         if type(enable_prefix_caching) is not bool:
-            msg = f"enable_prefix_caching must be a bool, but got {enable_prefix_caching!r}"
+            msg = f"enable_prefix_caching must be a bool, but got {excerpt(enable_prefix_caching)}"
             raise InvalidArgumentError(msg)
         items = policies_by_key(groups)
         if enable_prefix_caching:
@@ -210,8 +272,10 @@ class KVState:
                     msg = (f"group {k!r}: prefix caching needs a window of at least one token, "
                            f"got {p.window}")
                     raise InvalidArgumentError(msg)
-        return cls(max_model_len, tuple(GroupState.create(k, p, caching=enable_prefix_caching)
-                                        for k, p in items))
+        slots = SlotMap()
+        return cls(max_model_len, tuple(
+            GroupState.create(k, p, caching=enable_prefix_caching, slots=slots)
+            for k, p in items))
 
     @property
     def prefix_caching(self) -> bool:
@@ -220,10 +284,8 @@ class KVState:
         return bool(groups) and groups[0].cache is not None  # all groups cache, or none
 
     @classmethod
-    def from_cache_info(
-        cls, info: Any, block_num_by_type: Mapping[str, int], max_model_len: int, *,
-        enable_prefix_caching: bool = False,
-    ) -> KVState:
+    def from_cache_info(cls, info: Any, block_num_by_type: Mapping[str, int], max_model_len: int,
+                        *, enable_prefix_caching: bool = False) -> KVState:
         """A fresh state whose groups follow a ``ModelCacheInfo`` (seed §3.5).
 
         Entries with ``needs_block`` are grouped by ``group_key`` in order of
@@ -245,20 +307,35 @@ class KVState:
         return tuple(g.key for g in self.groups)
 
     def group(self, key: str) -> GroupState:
-        """The group of ``key``; unknown keys raise :class:`UnknownRequestError`."""
+        """The group of ``key``; unknown keys raise :class:`~kvfunc.UnknownRequestError`."""
         return find_group(self.groups, key)
 
     def request_ids(self) -> tuple[RequestId, ...]:
-        """Every request registered in any group, in first-registration order."""
+        """Every request registered in any group, in slot order (first registration first)."""
         seen: dict[RequestId, None] = {}
         for g in self.groups:
             seen.update(dict.fromkeys(g.tables))
-        return tuple(seen)
+        return tuple(sorted(seen, key=self.groups[0].slots.slots.__getitem__)) if seen else ()
 
     def __repr__(self) -> str:
         usage = usage_string((g.key, g.policy.num_blocks, g.num_free) for g in self.groups)
         return (f"KVState(max_model_len={self.max_model_len}, "
                 f"groups={self.manager_keys!r}, usage={usage!r})")
+
+
+def check_state(value: object, what: str = "state") -> KVState:
+    """``value`` if it is a :class:`KVState`, else a typed error naming what came instead.
+
+    >>> check_state(None)
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidTypeError: state must be a KVState, but got NoneType
+    """
+    if type(value) is not KVState:
+        hint = " (pass its .state)" if hasattr(value, "state") and hasattr(value, "delta") else ""
+        msg = f"{what} must be a KVState, but got {type(value).__name__}{hint}"
+        raise InvalidTypeError(msg)
+    return value
 
 
 _G = TypeVar("_G")
@@ -271,13 +348,13 @@ def usage_string(groups: Iterable[tuple[str, int, int]]) -> str:
 
 
 def find_group(groups: Iterable[_G], key: str) -> _G:
-    """The group whose ``key`` is ``key`` (states and transients alike)."""
+    """The group whose ``key`` is ``key`` (states and working copies alike)."""
     groups = tuple(groups)
     for g in groups:
         if g.key == key:  # type: ignore[attr-defined]
             return g
     known = [g.key for g in groups]  # type: ignore[attr-defined]
-    msg = f"unknown manager_key {key!r}; known keys: {known}"
+    msg = f"unknown manager_key {excerpt(key)}; known keys: {known}"
     raise UnknownRequestError(msg)
 
 
@@ -324,65 +401,10 @@ def group_cache_entries(
         yield key, cls, block_size, entries
 
 
-def _policies_from_cache_info(
-    info: Any, block_num_by_type: Mapping[str, int]
-) -> Iterator[tuple[str, Policy]]:
+def _policies_from_cache_info(info: Any, block_num_by_type: Mapping[str, int]
+                              ) -> Iterator[tuple[str, Policy]]:
     for key, cls, block_size, entries in group_cache_entries(info, block_num_by_type,
                                                               policy_class):
         policy: Policy = cls(num_blocks=block_num_by_type[key], block_size=block_size,
                              **cls.kwargs_from_entries(entries))
         yield key, policy
-
-
-def check_invariants(state: KVState) -> None:
-    """Assert everything a reachable state satisfies (tests call it every step).
-
-    * the null block is never free; every other id is free, held by exactly
-      one table entry, or detached: ``free + held + detached == num_blocks - 1``;
-    * a table never holds an id twice or out of range;
-    * null entries only in tables of policies that skip tokens, as a prefix.
-
-    >>> from kvfunc.core._policy import FullAttention
-    >>> check_invariants(KVState.create({"f": FullAttention(num_blocks=5, block_size=4)}, 64))
-    """
-    keys = state.manager_keys
-    assert len(set(keys)) == len(keys), f"duplicate manager keys {keys}"
-    for g in state.groups:
-        n = g.policy.num_blocks
-        free = g.free_block_ids()
-        assert g.num_free >= 0, f"{g.key}: negative free count {g.num_free}"
-        assert len(free) == g.num_free, f"{g.key}: {len(free)} free ids, count {g.num_free}"
-        assert NULL_BLOCK not in free, f"{g.key}: null block in the free queue"
-        held = [b for t in g.tables.values() for b in t if b != NULL_BLOCK]
-        if g.cache is not None:
-            _check_cache(g, free, held)
-            held = list(set(held))
-        together = list(free) + held
-        assert len(together) == len(set(together)), f"{g.key}: a block is free and held, or twice"
-        assert all(0 < b < n for b in together), f"{g.key}: block id out of range"
-        total = len(free) + len(held) + g.num_detached
-        assert total == n - 1, (
-            f"{g.key}: conservation broken: free {len(free)} + held {len(held)} "
-            f"+ detached {g.num_detached} != {n - 1}"
-        )
-        if g.policy.window is not None or g.policy.may_skip:
-            for rid, t in g.tables.items():
-                nulls = t.count(NULL_BLOCK)
-                assert t[:nulls] == (NULL_BLOCK,) * nulls, f"{g.key}: {rid!r} nulls not a prefix"
-        else:
-            for rid, t in g.tables.items():
-                assert NULL_BLOCK not in t, f"{g.key}: {rid!r} holds the null block"
-
-
-def _check_cache(g: GroupState, free: tuple[BlockId, ...], held: list[BlockId]) -> None:
-    """Reference counts equal table membership; the hash index matches the blocks."""
-    cache = g.cache
-    assert cache is not None
-    counts = [0] * g.policy.num_blocks
-    for b in held:
-        counts[b] += 1
-    assert list(cache.refs) == counts, f"{g.key}: reference counts differ from the tables"
-    hashes = {b: h for b, h in enumerate(cache.hash_of) if h is not None}
-    assert cache.num_cached_blocks == len(hashes), f"{g.key}: cached block count differs"
-    missing = [b for b, h in hashes.items() if b not in cache.by_hash.get(h, ())]
-    assert not missing, f"{g.key}: cached blocks {missing} missing from the hash index"

@@ -14,10 +14,11 @@ router subscribes to, with vLLM's field names::
                                            block_size, lora_id, medium, group, block_ids)
 
 Order matters: inside one transition a block can be evicted and cached again
-under another hash, so the events of one delta are the clear (a reset is a
-transition of its own), then every removal, then every store.  Consecutive
-stored rows of one group that chain (each row's parent is the previous
-row's hash) become one ``BlockStored``, as vLLM emits a request's new blocks.
+under another hash (or a saved state cached and evicted again), so the events
+follow the delta's operations in order (:meth:`~kvfunc.BlocksChanged.operations`).
+Consecutive removals of one group become one ``BlockRemoved``, and consecutive
+stored rows of one group that chain (each row's parent is the previous row's
+hash) one ``BlockStored``, as vLLM emits a request's new blocks.
 
 ``group`` (the manager key) and ``block_ids`` extend vLLM's records: kvfunc
 has several groups, and the block ids let a subscriber rebuild exactly the
@@ -33,10 +34,13 @@ import attrs
 
 from kvfunc.core import (
     BlocksChanged,
+    Cleared,
+    Evicted,
     InvalidArgumentError,
     InvalidTypeError,
     KVState,
     MissingKeyError,
+    Stored,
 )
 
 __all__ = ["MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent",
@@ -156,50 +160,55 @@ def _block_size(sizes: Mapping[str, int], key: str) -> int:
     return size
 
 
-def _removals(delta: BlocksChanged, medium: str | None) -> list[KVCacheEvent]:
-    out: list[KVCacheEvent] = []
-    key: str | None = None
-    hashes: list[bytes] = []
-    ids: list[int] = []
-    for k, b, h in zip(delta.evicted_keys, delta.evicted_block_ids, delta.evicted_hashes,
-                       strict=True):
-        if k != key and hashes:
-            out.append(BlockRemoved(tuple(hashes), medium, str(key), tuple(ids)))
-            hashes, ids = [], []
-        key = k
-        hashes.append(h)
-        ids.append(b)
-    if hashes:
-        out.append(BlockRemoved(tuple(hashes), medium, str(key), tuple(ids)))
-    return out
+class _Runs:
+    """Consecutive removals of one group, and chaining stores of one group, merged in order."""
 
+    def __init__(self, sizes: Mapping[str, int], medium: str | None) -> None:
+        self.sizes, self.medium = sizes, medium
+        self.events: list[KVCacheEvent] = []
+        self.removed: list[Evicted] = []
+        self.stored: list[Stored] = []
 
-def _stores(delta: BlocksChanged, sizes: Mapping[str, int], medium: str | None
-            ) -> list[KVCacheEvent]:
-    out: list[KVCacheEvent] = []
-    run: list[tuple[str, int, bytes, bytes | None, tuple[int, ...]]] = []
+    def flush(self) -> None:
+        if self.removed:
+            rows = self.removed
+            self.events.append(BlockRemoved(tuple(r.block_hash for r in rows), self.medium,
+                                            rows[0].key, tuple(r.block_id for r in rows)))
+            self.removed = []
+        if self.stored:
+            stored = self.stored
+            key = stored[0].key
+            self.events.append(BlockStored(
+                tuple(r.block_hash for r in stored), stored[0].parent_hash,
+                tuple(t for r in stored for t in r.token_ids), _block_size(self.sizes, key),
+                None, self.medium, key, tuple(r.block_id for r in stored)))
+            self.stored = []
 
-    def flush() -> None:
-        if run:
-            key = run[0][0]
-            out.append(BlockStored(
-                tuple(r[2] for r in run), run[0][3], tuple(t for r in run for t in r[4]),
-                _block_size(sizes, key), None, medium, key, tuple(r[1] for r in run)))
-            run.clear()
+    def remove(self, op: Evicted) -> None:
+        if self.stored or (self.removed and self.removed[-1].key != op.key):
+            self.flush()
+        self.removed.append(op)
 
-    for row in zip(delta.stored_keys, delta.stored_block_ids, delta.stored_hashes,
-                   delta.stored_parent_hashes, delta.stored_token_ids, strict=True):
-        if not (run and row[0] == run[-1][0] and row[3] == run[-1][2]
-                and bool(row[4]) == bool(run[-1][4])):
-            flush()
-        run.append(row)
-    flush()
-    return out
+    def store(self, op: Stored) -> None:
+        last = self.stored[-1] if self.stored else None
+        if self.removed or not (last is not None and last.key == op.key
+                                and op.parent_hash == last.block_hash
+                                and bool(op.token_ids) == bool(last.token_ids)):
+            self.flush()
+        self.stored.append(op)
+
+    def clear(self, op: Cleared) -> None:
+        self.flush()
+        last = self.events[-1] if self.events else None
+        if isinstance(last, AllBlocksCleared):  # one reset clears every group at once
+            self.events[-1] = AllBlocksCleared((*last.groups, op.key))
+        else:
+            self.events.append(AllBlocksCleared((op.key,)))
 
 
 def events_from_delta(delta: BlocksChanged, block_sizes: Mapping[str, int] | KVState, *,
                       medium: str | None = MEDIUM_GPU) -> tuple[KVCacheEvent, ...]:
-    """The KV events of one transition's delta: clear, then removals, then stores.
+    """The KV events of one transition's delta, in the order of its operations.
 
     Args:
         delta: the transition's delta.
@@ -232,9 +241,13 @@ def events_from_delta(delta: BlocksChanged, block_sizes: Mapping[str, int] | KVS
     sizes = _block_sizes(block_sizes)
     if not (delta.cleared_keys or delta.evicted_keys or delta.stored_keys):
         return ()
-    events: list[KVCacheEvent] = []
-    if delta.cleared_keys:
-        events.append(AllBlocksCleared(tuple(delta.cleared_keys)))
-    events.extend(_removals(delta, medium))
-    events.extend(_stores(delta, sizes, medium))
-    return tuple(events)
+    runs = _Runs(sizes, medium)
+    for op in delta.operations():
+        if type(op) is Evicted:
+            runs.remove(op)
+        elif type(op) is Stored:
+            runs.store(op)
+        elif type(op) is Cleared:
+            runs.clear(op)
+    runs.flush()
+    return tuple(runs.events)

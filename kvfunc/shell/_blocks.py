@@ -21,9 +21,12 @@ from typing import TypeAlias
 import numpy as np
 import torch
 
-from kvfunc.core._delta import COPY_INTO_NEW, BlocksChanged
-from kvfunc.core._errors import (
+from kvfunc.core import (
+    COPY_INTO_NEW,
+    Appended,
     BlockIndexError,
+    BlocksChanged,
+    Copied,
     InvalidArgumentError,
     InvalidTypeError,
     MissingKeyError,
@@ -208,22 +211,21 @@ def apply_delta(tensors_by_key: Mapping[str, TensorSet], delta: BlocksChanged, *
     """Perform what a delta asks of the cache tensors: block copies, then optional zeroing.
 
     ``tensors_by_key`` maps each manager key to its cache tensors (see
-    :func:`kvfunc.shell.cache_tensors_by_key`).  The copies (``copied_*``:
-    copy-on-write, a saved state seeding a new request, a state saved into
-    the cache) run first, in the delta's row order: a copy that reads a
-    block an earlier copy wrote (a state saved right after its
-    copy-on-write) sees the new contents, and any other copies read their
-    sources before a destination is written, so runs of independent copies
-    are batched into one ``index_copy_`` per tensor.  Then, with
-    ``zero_new_blocks``, the blocks the transition took from the pools are
-    zeroed: appended entries that are not null, not ``shared_*`` (cached or
-    forked blocks whose KV must survive) and not the destination of a
-    ``COPY_INTO_NEW`` copy (a saved state seeding the request; plain copies
-    without positions count as such).  A state saved into the cache and
-    handed out again later in the same transition is zeroed after its copy.
-    Copies go first because a copy's source may, in the same delta, have been
-    handed out to another request as a new block.  Every key's operations
-    are checked before any tensor is written.
+    :func:`kvfunc.shell.cache_tensors_by_key`).  The delta's operations are
+    read in order (:meth:`~kvfunc.BlocksChanged.operations`).  Its copies
+    (copy-on-write, a saved state seeding a new request, a state saved into
+    the cache) run first, in order: a copy that reads a block an earlier copy
+    wrote (a state saved right after its copy-on-write) sees the new
+    contents, and any other copies read their sources before a destination is
+    written, so runs of independent copies are batched into one
+    ``index_copy_`` per tensor.  Then, with ``zero_new_blocks``, the blocks
+    the transition took from the pools for table entries are zeroed: the
+    non-null ``Appended`` blocks (``Shared`` entries keep their cached or
+    forked contents) that no ``COPY_INTO_NEW`` copy seeds.  A state saved into
+    the cache and handed out again later in the same transition is zeroed
+    after its copy.  Copies go first because a copy's source may, in the same
+    delta, have been handed out to another request as a new block.  Every
+    key's operations are checked before any tensor is written.
 
     Raises:
         MissingKeyError: the delta names a key without tensors.
@@ -233,30 +235,35 @@ def apply_delta(tensors_by_key: Mapping[str, TensorSet], delta: BlocksChanged, *
     Block 3 is copied into block 1, then handed out anew and zeroed; the
     shared block 2 keeps its contents:
 
+    >>> import kvfunc as kf
     >>> t = torch.arange(1.0, 5.0).view(4, 1)
-    >>> d = BlocksChanged(appended_keys=("full", "full"), appended_request_ids=("a", "b"),
-    ...                   appended_block_ids=(2, 3), shared_keys=("full",),
-    ...                   shared_request_ids=("a",), shared_block_ids=(2,),
-    ...                   copied_keys=("full",), copied_src_block_ids=(3,),
-    ...                   copied_dst_block_ids=(1,))
+    >>> d = BlocksChanged(order="SCA", shared_keys=("full",), shared_request_ids=("a",),
+    ...                   shared_block_ids=(2,), copied_keys=("full",),
+    ...                   copied_request_ids=("c",), copied_positions=(kf.COPY_SAVED,),
+    ...                   copied_src_block_ids=(3,), copied_dst_block_ids=(1,),
+    ...                   appended_keys=("full",), appended_request_ids=("b",),
+    ...                   appended_block_ids=(3,))
     >>> apply_delta({"full": [t]}, d, zero_new_blocks=True); t[:, 0].tolist()
     [1.0, 4.0, 3.0, 0.0]
     """
     if not isinstance(delta, BlocksChanged):
         raise InvalidTypeError(f"expected a BlocksChanged delta, got {type(delta).__name__}")
     copies: dict[str, list[tuple[int, int]]] = {}
-    for key, s, d in zip(delta.copied_keys, delta.copied_src_block_ids,
-                         delta.copied_dst_block_ids, strict=True):
-        copies.setdefault(key, []).append((s, d))
+    appended: dict[str, list[int]] = {}
+    seeded: set[tuple[str, int]] = set()
+    for op in delta.operations():  # in the order the transition performed them
+        if type(op) is Copied:
+            copies.setdefault(op.key, []).append((op.src_block_id, op.dst_block_id))
+            if op.position == COPY_INTO_NEW:
+                seeded.add((op.key, op.dst_block_id))
+        elif type(op) is Appended and op.block_id:
+            appended.setdefault(op.key, []).append(op.block_id)
     zeros: dict[str, list[int]] = {}
     if zero_new_blocks:
-        kept = {(k, b) for k, b in zip(delta.shared_keys, delta.shared_block_ids, strict=True)}
-        positions = delta.copied_positions or (COPY_INTO_NEW,) * len(delta.copied_keys)
-        kept.update((k, d) for k, d, p in zip(delta.copied_keys, delta.copied_dst_block_ids,
-                                              positions, strict=True) if p == COPY_INTO_NEW)
-        for key, block in zip(delta.appended_keys, delta.appended_block_ids, strict=True):
-            if block and (key, block) not in kept:
-                zeros.setdefault(key, []).append(block)
+        for key, blocks in appended.items():
+            kept = [b for b in blocks if (key, b) not in seeded]
+            if kept:
+                zeros[key] = kept
     copy_plan: list[tuple[_Named, _Ids, _Ids]] = []
     zero_plan: list[tuple[_Named, _Ids]] = []
     for key in dict.fromkeys([*copies, *zeros]):

@@ -42,9 +42,15 @@ import attrs
 import numpy as np
 import torch
 
-from kvfunc.core._delta import DELTA_VERSION, BlocksChanged
-from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, UnknownRequestError
-from kvfunc.core._state import KVState, RequestId
+from kvfunc.core import (
+    DELTA_VERSION,
+    BlocksChanged,
+    InvalidArgumentError,
+    InvalidTypeError,
+    KVState,
+    RequestId,
+    UnknownRequestError,
+)
 from kvfunc.shell._buffer_delta import DeltaPlan, mismatch
 from kvfunc.shell._device import DeviceLike, is_accelerator, resolve_device
 from kvfunc.shell._tables import block_indices, token_rows
@@ -309,10 +315,5 @@ class BlockTableBuffer:
         if delta.is_empty:
             return
         plan = DeltaPlan(self)
-        plan.null(delta)
-        if delta.released_keys or delta.registered_keys:
-            plan.release(delta)
-            plan.register(delta)
-        plan.append(delta)
-        plan.copy(delta)
+        plan.plan(delta)
         plan.commit()

@@ -1,20 +1,28 @@
 """Planning and committing one delta's edits to a :class:`BlockTableBuffer`.
 
-A :class:`DeltaPlan` walks the delta's column families in replay order
-(nulls, releases, registrations, appends, copy-on-write copies), checking
+A :class:`DeltaPlan` folds over the delta's operations in the order the
+transition performed them (:meth:`~kvfunc.BlocksChanged.operations`), checking
 every row, position and width against the buffer and collecting the writes
-in plain lists;
-nothing in the buffer changes until :meth:`DeltaPlan.commit`, which cannot
-fail.  That is what makes :meth:`BlockTableBuffer.apply` all-or-nothing.
+(the last write to a cell wins); nothing in the buffer changes until
+:meth:`DeltaPlan.commit`, which cannot fail.  That is what makes
+:meth:`BlockTableBuffer.apply` all-or-nothing.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvfunc.core._delta import BlocksChanged
-from kvfunc.core._errors import ReplayMismatchError
-from kvfunc.core._state import RequestId
+from kvfunc.core import (
+    Appended,
+    BlocksChanged,
+    Copied,
+    Nulled,
+    Registered,
+    Released,
+    ReplayMismatchError,
+    RequestId,
+    Shared,
+)
 
 if TYPE_CHECKING:
     from kvfunc.shell._buffer import BlockTableBuffer
@@ -30,22 +38,32 @@ def mismatch(msg: str) -> ReplayMismatchError:
 class DeltaPlan:
     """The edits one delta makes to a buffer, checked before any is written.
 
-    Call :meth:`null`, then (when the delta changes membership)
-    :meth:`release` and :meth:`register`, then :meth:`append`, then
-    (when the delta copies blocks) :meth:`copy`, then :meth:`commit`.
-    Rows of groups the buffer does not track are skipped.
+    Call :meth:`plan` with the delta, then :meth:`commit`.  Operations of
+    groups the buffer does not track are skipped.
     """
 
-    __slots__ = ("buf", "changed", "holes", "order", "puts", "rows", "zeros")
+    __slots__ = ("buf", "changed", "holes", "order", "rows", "writes")
 
     def __init__(self, buf: BlockTableBuffer) -> None:
         self.buf = buf
         self.rows = buf._rows
         self.order = buf._order
         self.changed: dict[tuple[int, int], int] = {}  # (group, row) -> new length
-        self.zeros: list[list[int]] = [[] for _ in buf._specs]
-        self.puts: list[tuple[list[int], list[int]]] = [([], []) for _ in buf._specs]
+        self.writes: list[dict[int, int]] = [{} for _ in buf._specs]  # column -> block
         self.holes: list[int] = []
+
+    def plan(self, delta: BlocksChanged) -> None:
+        """Plan every operation of ``delta`` in order (see the module docstring)."""
+        index = self.buf._index
+        handlers: dict[type[Any], Any] = {
+            Registered: self.register, Released: self.release, Nulled: self.null,
+            Appended: self.append, Shared: self.append, Copied: self.copy}
+        for op in delta.operations():
+            handler = handlers.get(type(op))
+            if handler is not None:
+                i = index.get(op.key)  # type: ignore[union-attr]
+                if i is not None:
+                    handler(i, op)
 
     def length(self, i: int, row: int) -> int:
         """Planned table length of ``row`` in group ``i`` (-1: not registered there)."""
@@ -59,128 +77,83 @@ class DeltaPlan:
             raise mismatch(f"{what} names request {rid!r}, which has no row")
         return row
 
-    def null(self, d: BlocksChanged) -> None:
-        """Plan null writes at the recycled positions."""
-        index, specs = self.buf._index, self.buf._specs
-        for key, rid, pos in zip(d.nulled_keys, d.nulled_request_ids, d.nulled_positions,
-                                 strict=True):
-            i = index.get(key)
-            if i is None:
-                continue
-            row = self.row(rid, "a nulled position")
-            if not 0 <= pos < self.length(i, row):
-                raise mismatch(f"position {pos} of {rid!r} in {key!r} is past its table")
-            self.zeros[i].append(row * specs[i].width + pos)
+    def cell(self, i: int, row: int, position: int) -> int:
+        """The planned block at ``position`` of ``row`` in group ``i``."""
+        col = row * self.buf._specs[i].width + position
+        held = self.writes[i].get(col)
+        return int(self.buf._flat[i][col]) if held is None else held
 
-    def release(self, d: BlocksChanged) -> None:
-        """Plan clearing released tables; rows registered nowhere any more become holes."""
-        index, specs = self.buf._index, self.buf._specs
-        self.rows, self.order = dict(self.rows), list(self.order)
-        for key, rid in zip(d.released_keys, d.released_request_ids, strict=True):
-            i = index.get(key)
-            if i is None:
-                continue
-            row = self.row(rid, "a release")
-            n = self.length(i, row)
-            if n < 0:
-                raise mismatch(f"release of {rid!r}, which is not registered in {key!r}")
-            start = row * specs[i].width
-            self.zeros[i].extend(range(start, start + n))
-            self.changed[(i, row)] = -1
-            if all(self.length(j, row) < 0 for j in range(len(specs))):
-                del self.rows[rid]
-                self.holes.append(row)
+    def null(self, i: int, op: Nulled) -> None:
+        """Plan a null write at the recycled position."""
+        row = self.row(op.request_id, "a nulled position")
+        if not 0 <= op.position < self.length(i, row):
+            raise mismatch(f"position {op.position} of {op.request_id!r} in {op.key!r} is past "
+                           "its table")
+        self.writes[i][row * self.buf._specs[i].width + op.position] = 0
 
-    def register(self, d: BlocksChanged) -> None:
-        """Plan empty tables for registrations; new requests take a hole or a new row."""
-        index = self.buf._index
-        for key, rid in zip(d.registered_keys, d.registered_request_ids, strict=True):
-            i = index.get(key)
-            if i is None:
-                continue
-            row = self.rows.get(rid)
-            if row is None:
-                if self.holes:
-                    row = min(self.holes)
-                    self.holes.remove(row)
-                    self.order[row] = rid
-                else:
-                    row = self.buf._new_row(len(self.order), rid)
-                    self.order.append(rid)
-                self.rows[rid] = row
-            if self.length(i, row) >= 0:
-                raise mismatch(f"request {rid!r} is already registered in {key!r}")
-            self.changed[(i, row)] = 0
+    def release(self, i: int, op: Released) -> None:
+        """Plan clearing a released table; a row registered nowhere any more becomes a hole."""
+        rid, specs = op.request_id, self.buf._specs
+        if self.rows is self.buf._rows:
+            self.rows, self.order = dict(self.rows), list(self.order)
+        row = self.row(rid, "a release")
+        n = self.length(i, row)
+        if n < 0:
+            raise mismatch(f"release of {rid!r}, which is not registered in {op.key!r}")
+        start = row * specs[i].width
+        self.writes[i].update(dict.fromkeys(range(start, start + n), 0))
+        self.changed[(i, row)] = -1
+        if all(self.length(j, row) < 0 for j in range(len(specs))):
+            del self.rows[rid]
+            self.holes.append(row)
 
-    def append(self, d: BlocksChanged) -> None:
-        """Plan writing each appended id after its table's last entry (width checked)."""
-        index, specs, changed = self.buf._index, self.buf._specs, self.changed
-        lens = self.buf._lens
-        for key, rid, block in zip(d.appended_keys, d.appended_request_ids,
-                                   d.appended_block_ids, strict=True):
-            i = index.get(key)
-            if i is None:
-                continue
-            row = self.rows.get(rid)
-            if row is None:
-                raise mismatch(f"an append names request {rid!r}, which has no row")
-            n = changed.get((i, row))
-            if n is None:
-                n = lens[i][row]
-            if n < 0:
-                raise mismatch(f"append to {rid!r}, which is not registered in {key!r}")
-            self.buf._check_width(i, rid, n + 1)
-            changed[(i, row)] = n + 1
-            width = specs[i].width
-            cols, vals = self.puts[i]
-            cols.append(row * width + n)
-            vals.append(block)
+    def register(self, i: int, op: Registered) -> None:
+        """Plan an empty table; a new request takes a hole or a new row."""
+        rid = op.request_id
+        if self.rows is self.buf._rows:
+            self.rows, self.order = dict(self.rows), list(self.order)
+        row = self.rows.get(rid)
+        if row is None:
+            if self.holes:
+                row = min(self.holes)
+                self.holes.remove(row)
+                self.order[row] = rid
+            else:
+                row = self.buf._new_row(len(self.order), rid)
+                self.order.append(rid)
+            self.rows[rid] = row
+        if self.length(i, row) >= 0:
+            raise mismatch(f"request {rid!r} is already registered in {op.key!r}")
+        self.changed[(i, row)] = 0
 
-    def copy(self, d: BlocksChanged) -> None:
-        """Plan the copy-on-write rows: the copy replaces its source in the request's table.
+    def append(self, i: int, op: Appended | Shared) -> None:
+        """Plan writing the appended id after its table's last entry (width checked)."""
+        row = self.row(op.request_id, "an append")
+        n = self.length(i, row)
+        if n < 0:
+            raise mismatch(f"append to {op.request_id!r}, which is not registered in {op.key!r}")
+        self.buf._check_width(i, op.request_id, n + 1)
+        self.changed[(i, row)] = n + 1
+        self.writes[i][row * self.buf._specs[i].width + n] = op.block_id
 
-        Rows with a negative position (a state seeding a block appended in
-        the same delta, a state saved into the cache) and plain copies
-        without request ids change no table.
+    def copy(self, i: int, op: Copied) -> None:
+        """Plan a copy-on-write: the copy replaces its source in the request's table.
+
+        A copy with a negative position (a state seeding the request's new
+        block, a state saved into the cache) changes no table.
         """
-        if not d.copied_request_ids:
+        if op.position < 0:
             return
-        n = len(d.copied_keys)
-        if len(d.copied_request_ids) != n or len(d.copied_positions) != n:
-            raise mismatch("copied_request_ids and copied_positions are not parallel to "
-                           "copied_keys")
-        index, specs = self.buf._index, self.buf._specs
-        where: list[tuple[dict[int, int], set[int]] | None] = [None] * len(specs)
-        for key, rid, pos, src, dst in zip(d.copied_keys, d.copied_request_ids,
-                                           d.copied_positions, d.copied_src_block_ids,
-                                           d.copied_dst_block_ids, strict=True):
-            i = index.get(key)
-            if i is None or pos < 0:
-                continue
-            row = self.row(rid, "a copy-on-write")
-            if not pos < self.length(i, row):
-                raise mismatch(f"copy-on-write position {pos} of {rid!r} in {key!r} is past "
-                               "its table")
-            cols, vals = self.puts[i]
-            planned = where[i]
-            if planned is None:  # the planned writes (the last one wins) and clears
-                planned = where[i] = ({c: j for j, c in enumerate(cols)}, set(self.zeros[i]))
-            at, cleared = planned
-            col = row * specs[i].width + pos
-            j = at.get(col)
-            if j is not None:
-                held = vals[j]
-            else:
-                held = 0 if col in cleared else int(self.buf._flat[i][col])
-            if held != src:
-                raise mismatch(f"copy-on-write of position {pos} of {rid!r} in {key!r} "
-                               f"replaces block {src}, but the table holds {held}")
-            if j is None:
-                at[col] = len(cols)
-                cols.append(col)
-                vals.append(dst)
-            else:
-                vals[j] = dst
+        row = self.row(op.request_id, "a copy-on-write")
+        if not op.position < self.length(i, row):
+            raise mismatch(f"copy-on-write position {op.position} of {op.request_id!r} in "
+                           f"{op.key!r} is past its table")
+        held = self.cell(i, row, op.position)
+        if held != op.src_block_id:
+            raise mismatch(f"copy-on-write of position {op.position} of {op.request_id!r} in "
+                           f"{op.key!r} replaces block {op.src_block_id}, but the table holds "
+                           f"{held}")
+        self.writes[i][row * self.buf._specs[i].width + op.position] = op.dst_block_id
 
     def commit(self) -> None:
         """Write the planned edits, then condense the rows; nothing here can fail."""
@@ -188,11 +161,9 @@ class DeltaPlan:
         if buf._copy_event is not None:  # the last host-to-device copy reads these pages
             buf._copy_event.synchronize()
             buf._copy_event = None
-        for flat, zeros, (cols, vals) in zip(buf._flat, self.zeros, self.puts, strict=True):
-            if zeros:
-                flat[zeros] = 0
-            if cols:
-                flat[cols] = vals
+        for flat, writes in zip(buf._flat, self.writes, strict=True):
+            if writes:
+                flat[list(writes)] = list(writes.values())
         for (i, row), n in self.changed.items():
             buf._lens[i][row] = n
         order = self.order
@@ -215,5 +186,5 @@ class DeltaPlan:
                         lens[dst], lens[src] = lens[src], -1
             del order[live:]
         buf._rows, buf._order = self.rows, order
-        if self.changed or self.holes or any(self.zeros) or any(c for c, _ in self.puts):
+        if self.changed or self.holes or any(self.writes):
             buf._dirty = True

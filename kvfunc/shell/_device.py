@@ -16,7 +16,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, KVFuncError
+from kvfunc.core import InvalidArgumentError, InvalidTypeError, KVFuncError
 
 __all__ = [
     "DeviceError",

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from kvfunc.core._errors import InvalidTypeError, NotSupportedError
+from kvfunc.core import InvalidTypeError, NotSupportedError
 
 __all__ = ["device_memory_info", "host_memory_info"]
 

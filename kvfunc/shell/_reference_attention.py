@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
+from kvfunc.core import InvalidArgumentError, InvalidTypeError
 from kvfunc.shell._tables import int_array
 
 __all__ = ["attend", "gather_from_cache", "paged_attention", "write_to_cache"]

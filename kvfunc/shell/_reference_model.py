@@ -32,8 +32,13 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from kvfunc.core._cache_info import CacheEntry, LayerCacheInfo, ModelCacheInfo
-from kvfunc.core._errors import InvalidArgumentError, MissingTensorError
+from kvfunc.core import (
+    CacheEntry,
+    InvalidArgumentError,
+    LayerCacheInfo,
+    MissingTensorError,
+    ModelCacheInfo,
+)
 from kvfunc.shell._reference_attention import attend, paged_attention, write_to_cache
 
 __all__ = ["TinyDecoder", "TinyDecoderConfig"]

@@ -28,8 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
-from kvfunc.core._state import BlockId, KVState, RequestId
+from kvfunc.core import BlockId, InvalidArgumentError, InvalidTypeError, KVState, RequestId
 from kvfunc.shell._device import DeviceLike, resolve_device
 
 __all__ = [

@@ -36,15 +36,17 @@ from collections.abc import Mapping
 import attrs
 import torch
 
-from kvfunc.core._cache_info import CacheAllocator, CacheEntry, ModelCacheInfo, as_listed
-from kvfunc.core._errors import (
+from kvfunc.core import (
+    CacheAllocator,
+    CacheEntry,
     InvalidArgumentError,
     InvalidCacheInfo,
     MissingKeyError,
     MissingTensorError,
+    ModelCacheInfo,
+    registered_attn_types,
 )
-from kvfunc.core._policy import registered_attn_types
-from kvfunc.core._validate import mamba_entry, positive_field
+from kvfunc.core._internal import as_listed, mamba_entry, positive_field
 from kvfunc.shell._device import (
     DeviceError,
     DeviceLike,

@@ -64,8 +64,9 @@ def state_snapshot(state: KVState) -> Snapshot:
     """Everything observable about ``state`` as plain nested tuples (a frozen copy).
 
     Two snapshots are equal when the states hold the same tables (in the same
-    dict order), the same free queue and ring, and print the same usage; a
-    snapshot cannot change when the state is later (wrongly) mutated.
+    order), the same free queue and ring, the same row counters, and print the
+    same usage; a snapshot cannot change when the state is later (wrongly)
+    mutated.
 
     >>> s = kf.KVState.create({"f": kf.FullAttention(num_blocks=4, block_size=4)}, 64)
     >>> snap = state_snapshot(s)
@@ -74,7 +75,8 @@ def state_snapshot(state: KVState) -> Snapshot:
     (True, (1, 2, 3))
     """
     groups = tuple((g.key, g.policy, tuple(g.tables.items()), g.free_block_ids(),
-                    tuple(g.free_ring), g.free_head, g.num_free, g.num_detached)
+                    tuple(g.free_ring), g.free_head, g.num_free, g.num_detached,
+                    tuple(None if r is None else r[1:] for r in g.rows))
                    for g in state.groups)
     return state.max_model_len, groups, kf.format_usage(state)
 
@@ -298,7 +300,7 @@ class KVStateMachine(RuleBasedStateMachine):
     def recycle(self, rid: RequestId, data: st.DataObject) -> None:
         """``recycle_skipped_blocks`` at the request's position or anywhere."""
         computed = data.draw(st.one_of(st.just(self.tokens.get(rid, 0)),
-                                       st.integers(-1, self.max_tokens + 8)),
+                                       st.integers(0, self.max_tokens + 8)),
                              label="computed_tokens")
         keys = self._keys(data)
         after, delta = kf.recycle_skipped_blocks(self.state, rid, computed, manager_keys=keys)

@@ -197,6 +197,8 @@ class NaiveAllocator:
         """
         if num_new_tokens < 0:
             raise ValueError("num_new_tokens must be non-negative")
+        if computed_tokens < 0:  # kvfunc's contract (the seed let it through)
+            raise ValueError("computed_tokens must be non-negative")
         before = copy.deepcopy(self._managers)
         try:
             ok = self._seed_allocate_slots(request_id, computed_tokens, num_new_tokens,
@@ -264,6 +266,8 @@ class NaiveAllocator:
         >>> m.get_block_ids("a"), m.free_block_ids("swa")
         ({'swa': (0, 0, 0)}, (3, 4, 5, 6, 7, 8, 2, 1))
         """
+        if computed_tokens < 0:  # kvfunc's contract (the seed let it through)
+            raise ValueError("computed_tokens must be non-negative")
         computed = min(computed_tokens, self.max_model_len)
         for m in self._selected(manager_keys):
             m.remove_skipped_blocks(request_id, computed)

@@ -327,7 +327,7 @@ def programs(draw: st.DrawFn, manager_keys: Sequence[str] = MANAGER_KEYS, *,
             program.append(Free(rid, draw(st.sampled_from([None, None, keys]))))
         else:
             computed = draw(st.one_of(st.just(tokens.get(rid, 0)),
-                                      st.integers(-1, max_tokens + 8)))
+                                      st.integers(0, max_tokens + 8)))
             program.append(Recycle(rid, computed, keys))
     return tuple(program)
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvfunc import DELTA_VERSION
+
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_run import run_main  # the helper beside this file
 
@@ -167,19 +169,21 @@ def test_endless_files_are_refused_within_a_memory_limit(argv: list[str]) -> Non
     assert_one_line_exit_2(proc.returncode, proc.stderr, needle)
 
 
-@pytest.mark.parametrize(("lines", "needle"), [
-    (["[" * NEST + "]" * NEST], "line 1: not valid JSON"),
-    ([b"\xff".decode("latin-1")], "line 1: not valid JSON"),
-    ([json.dumps({"kvfunc_delta_log": 1, "delta_version": 1, "max_model_len": 64, "groups": [
-        {"key": "f", "policy": "FullAttention",
-         "params": {"num_blocks": 2**40, "block_size": 16}}]})],
-     "the cache would hold 1,099,511,627,776 blocks"),
+HUGE_HEADER = json.dumps({"kvfunc_delta_log": 1, "delta_version": DELTA_VERSION,
+                          "max_model_len": 64, "groups": [
+                              {"key": "f", "policy": "FullAttention",
+                               "params": {"num_blocks": 2**40, "block_size": 16}}]})
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    ("[" * NEST + "]" * NEST + "\n", "line 1: not valid JSON"),
+    (b'{"kvfunc_delta_log": "\xff"}\n', "is not UTF-8 text"),
+    (HUGE_HEADER + "\n", "the cache would hold 1,099,511,627,776 blocks"),
 ])
-def test_hostile_logs(capsys: pytest.CaptureFixture[str], tmp_path: Path, lines: list[str],
+def test_hostile_logs(capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str | bytes,
                       needle: str) -> None:
     """A nested, undecodable or impossibly large log header: one line, exit 2."""
-    path = write(tmp_path, "run.jsonl", "\n".join(lines) + "\n")
-    code, _, err = run_main(capsys, "replay", path)
+    code, _, err = run_main(capsys, "replay", write(tmp_path, "run.jsonl", content))
     assert_one_line_exit_2(code, err, needle)
 
 

@@ -139,7 +139,8 @@ def test_apply_delta_zeroes_new_blocks_and_copies() -> None:
             t[list(result.delta.new_block_ids(key))] = 0
     apply_delta(tensors, result.delta, zero_new_blocks=True)
     assert [True, True] == [same(expected[k], tensors[k]) for k in ("full", "swa")]
-    fork = BlocksChanged(copied_keys=("full", "full"), copied_src_block_ids=(1, 2),
+    fork = BlocksChanged(order="CC", copied_keys=("full", "full"), copied_request_ids=("c", "c"),
+                         copied_positions=(0, 1), copied_src_block_ids=(1, 2),
                          copied_dst_block_ids=(5, 6))
     expected["full"] = moved(tensors["full"], [1, 2], [5, 6])
     apply_delta(tensors, fork)
@@ -150,9 +151,10 @@ def test_apply_delta_checks_every_key_before_writing() -> None:
     """A bad copy in the second key, or a key without tensors, leaves the first key untouched."""
     tensors = {"full": caches(8), "swa": caches(2)}
     before = [t.clone() for t in tensors["full"]]
-    delta = BlocksChanged(appended_keys=("full",), appended_request_ids=("a",),
-                          appended_block_ids=(3,), copied_keys=("swa",),
-                          copied_src_block_ids=(1,), copied_dst_block_ids=(5,))
+    delta = BlocksChanged(order="AC", appended_keys=("full",), appended_request_ids=("a",),
+                          appended_block_ids=(3,), copied_keys=("swa",), copied_request_ids=("a",),
+                          copied_positions=(0,), copied_src_block_ids=(1,),
+                          copied_dst_block_ids=(5,))
     with pytest.raises(BlockIndexError, match="copy destinations of 'swa' holds block id 5"):
         apply_delta(tensors, delta, zero_new_blocks=True)
     with pytest.raises(MissingKeyError, match="manager_key='swa', which has no tensors"):

@@ -192,7 +192,7 @@ def test_a_delta_that_does_not_fit_changes_nothing() -> None:
     crowded = kf.allocate_batch(ok.state, [("b", 0, 1)]).delta
     with pytest.raises(InvalidArgumentError, match="all 1 rows of the block-table buffer"):
         buf.apply(crowded)
-    stranger = BlocksChanged(appended_keys=("full",), appended_request_ids=("zz",),
+    stranger = BlocksChanged(order="A", appended_keys=("full",), appended_request_ids=("zz",),
                              appended_block_ids=(9,))
     with pytest.raises(ReplayMismatchError, match="names request 'zz', which has no row"):
         buf.apply(stranger)

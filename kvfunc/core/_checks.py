@@ -1,0 +1,130 @@
+"""Argument checks: one per kind, run once at each public entry.
+
+Every public transition normalises and checks its arguments here before it
+touches anything, so a bad argument is a typed error and the input state is
+untouched.  Messages show the bad value through :func:`excerpt`, which never
+renders more than a short prefix of it (a 100 MB payload must not become a
+400 MB message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
+
+__all__ = [
+    "MAX_NUM_BLOCKS",
+    "check_count",
+    "check_manager_keys",
+    "check_request_id",
+    "excerpt",
+    "is_request_id",
+]
+
+#: The largest pool a group may have: 2**24 blocks (16.7 M).  A state keeps a few
+#: per-block vectors, so a pool this size costs a few hundred MiB; a larger one is
+#: a typed error rather than a ``MemoryError`` halfway through building it.
+MAX_NUM_BLOCKS = 1 << 24
+
+_EXCERPT = 60
+
+
+def excerpt(value: object, limit: int = _EXCERPT) -> str:
+    """A short ``repr`` of ``value``: at most about ``limit`` characters, built cheaply.
+
+    Strings and bytes are cut before they are rendered, containers show their
+    first items, anything else is rendered and cut.
+
+    >>> excerpt("x" * 1000)
+    "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (1000 chars)"
+    >>> excerpt(list(range(100)))
+    '[0, 1, 2, 3, 4, 5, 6, 7, ...] (100 items)'
+    >>> excerpt(3.5)
+    '3.5'
+    """
+    if isinstance(value, str | bytes | bytearray | memoryview):
+        if len(value) <= limit:
+            return repr(value)
+        unit = "chars" if isinstance(value, str) else "bytes"
+        return f"{value[:limit]!r}... ({len(value)} {unit})"
+    if isinstance(value, list | tuple | set | frozenset | dict) and len(value) > 8:
+        head: list[object] = list(value)[:8]
+        inner = ", ".join(excerpt(v, 20) for v in head)
+        if isinstance(value, dict):
+            inner = ", ".join(f"{excerpt(k, 20)}: {excerpt(value[k], 20)}" for k in head)
+        brackets = {list: ("[", "]"), tuple: ("(", ")")}.get(type(value), ("{", "}"))
+        return f"{brackets[0]}{inner}, ...{brackets[1]} ({len(value)} items)"
+    try:
+        text = repr(value)
+    except Exception:  # a hostile __repr__: say what it is instead
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__})"
+
+
+def is_request_id(value: object) -> bool:
+    """Request ids are ``str`` or ``int``, never ``bool`` (``True`` would alias request 1).
+
+    >>> is_request_id("a"), is_request_id(-1), is_request_id(True), is_request_id(1.0)
+    (True, True, False, False)
+    """
+    t = type(value)
+    return t is str or t is int
+
+
+def check_request_id(value: object) -> None:
+    """Raise :class:`~kvfunc.InvalidTypeError` unless ``value`` is a request id.
+
+    >>> check_request_id(False)
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidTypeError: request_id must be a str or an int (not a bool), ...
+    """
+    if not is_request_id(value):
+        msg = f"request_id must be a str or an int (not a bool), but got {excerpt(value)}"
+        raise InvalidTypeError(msg)
+
+
+def check_count(name: str, value: object) -> int:
+    """``value`` if it is a non-negative ``int`` (never a bool); else a typed error.
+
+    >>> check_count("num_new_tokens", 3)
+    3
+    >>> check_count("computed_tokens", -3)
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidArgumentError: computed_tokens must be non-negative, but got -3
+    """
+    if type(value) is not int:
+        msg = f"{name} must be an int, but got {excerpt(value)}"
+        raise InvalidTypeError(msg)
+    if value < 0:
+        msg = f"{name} must be non-negative, but got {value}"
+        raise InvalidArgumentError(msg)
+    return value
+
+
+def check_manager_keys(value: object) -> frozenset[str] | None:
+    """``None``, or a collection of ``str`` as a frozenset (a bare str would match substrings).
+
+    >>> sorted(check_manager_keys(["a", "b"]))
+    ['a', 'b']
+    >>> check_manager_keys("full")
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidTypeError: manager_keys must be None or a collection of str, ...
+    """
+    if value is None:
+        return None
+    if isinstance(value, str | bytes) or not isinstance(value, Collection):
+        msg = f"manager_keys must be None or a collection of str, but got {excerpt(value)}"
+        raise InvalidTypeError(msg)
+    try:
+        keys = frozenset(value)
+    except TypeError:
+        msg = f"manager_keys must hold str, but got {excerpt(value)}"
+        raise InvalidTypeError(msg) from None
+    if not all(type(k) is str for k in keys):
+        msg = f"manager_keys must hold str, but got {excerpt(value)}"
+        raise InvalidTypeError(msg)
+    return keys

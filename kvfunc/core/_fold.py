@@ -1,0 +1,186 @@
+"""The fold of a scheduler step: every request through the one step, in order.
+
+Theory of operation
+-------------------
+A step's input is a sequence of entries, one per request.  The natural form
+is a plain tuple ``(request_id, computed_tokens, num_new_tokens)``; a
+:class:`SlotRequest` (or a tuple of up to its eight fields) carries the rarer
+arguments: its own lookahead, a reservation, a manager-key subset, block
+hashes, a prefix hit.  :func:`fold` checks each entry once and runs
+:func:`~kvfunc.core._step.step` on it, so the result is by definition that
+of calling ``allocate_slots`` for each entry in order.
+
+Most entries of a decode step change nothing: the request writes into a
+block it already holds alone, nothing slides out of a window, nothing is
+left to cache.  The fold recognises such a *quiet* entry from the request's
+row alone, O(1) fields per group and no per-block vector, and skips the step
+for it: the quiet lane.  It applies when every group's policy grows with
+tokens and is described by its window (the built-in full-attention and
+sliding-window policies); a property test checks that the lane skips only
+entries for which the step does nothing, and the benchmark lane
+``bench_core.py`` (b) measures what it earns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, NamedTuple
+
+from kvfunc.core._checks import check_count, check_manager_keys, check_request_id, excerpt
+from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
+from kvfunc.core._group import Transient
+from kvfunc.core._hashing import BlockHashes
+from kvfunc.core._prefix import check_hashes, check_hit
+from kvfunc.core._step import step
+
+__all__ = ["SlotRequest", "check_lookahead", "fold", "quiet_lane", "slot_entry"]
+
+
+class SlotRequest(NamedTuple):
+    """One request's slot demand in a scheduler step, with every optional argument.
+
+    A plain tuple ``(request_id, computed_tokens, num_new_tokens)`` is the
+    natural, fastest form; a ``SlotRequest`` (or a tuple of its first 4-8
+    fields) carries the rest.  ``block_hashes`` and ``prefix_hit`` are
+    :func:`~kvfunc.allocate_slots`'s prefix-caching arguments.
+    """
+
+    request_id: int | str
+    computed_tokens: int
+    num_new_tokens: int
+    lookahead_tokens: int = 0
+    reserved_tokens: int = 0
+    manager_keys: Collection[str] | None = None
+    block_hashes: Any = None
+    prefix_hit: Any = None
+
+
+Lane = list[tuple[Any, int, int | None]]
+
+
+def slot_entry(request_id: Any, computed: Any, new: Any, lookahead: Any = 0, reserved: Any = 0,
+               keys: Any = None, hashes: Any = None, hit: Any = None) -> tuple[Any, ...]:
+    """The cheapest entry equal to these arguments: a plain 3-tuple when the rest are defaults.
+
+    >>> slot_entry("a", 0, 5), slot_entry("a", 0, 5, False)
+    (('a', 0, 5), SlotRequest(request_id='a', ..., lookahead_tokens=False, ...))
+    """
+    if (type(lookahead) is int and type(reserved) is int and not lookahead and not reserved
+            and keys is None and hashes is None and hit is None):
+        return (request_id, computed, new)
+    return SlotRequest(request_id, computed, new, lookahead, reserved, keys, hashes, hit)
+
+
+def quiet_lane(tr: Transient) -> Lane | None:
+    """Per group ``(rows, block_size, window - 1 or None)``; None if a policy needs the step."""
+    lane = []
+    for view in tr.views:
+        policy = view.policy
+        if not policy.grows_with_tokens:
+            return None
+        window = policy.window
+        if window is None and policy.may_skip:
+            return None
+        lane.append((view.rows, policy.block_size, None if window is None else window - 1))
+    return lane
+
+
+def _entry(e: Any, lookahead: int) -> tuple[Any, ...]:
+    """Any entry as its eight fields, each checked (``_fold`` inlines the 3-tuple case)."""
+    if not isinstance(e, tuple) or not 3 <= len(e) <= 8:
+        msg = (f"a step entry must be a tuple (request_id, computed_tokens, num_new_tokens) or "
+               f"a SlotRequest, got {excerpt(e)}")
+        raise InvalidTypeError(msg)
+    fields = SlotRequest(*e) if type(e) is not SlotRequest else e
+    rid, computed, new, la, reserved, keys, hashes, hit = fields
+    if len(e) < 4:
+        la = lookahead
+    check_request_id(rid)
+    check_count("computed_tokens", computed)
+    check_count("num_new_tokens", new)
+    check_lookahead(la)
+    check_count("reserved_tokens", reserved)
+    return rid, computed, new, la, reserved, check_manager_keys(keys), hashes, hit
+
+
+def check_lookahead(value: object) -> int:
+    """Lookahead tokens are an int (not a bool) and, as in the seed, may be negative."""
+    if type(value) is not int:
+        msg = f"lookahead_tokens must be an int, but got {excerpt(value)}"
+        raise InvalidTypeError(msg)
+    return value
+
+
+def _negative_total(total: int, keys: frozenset[str] | None, tr: Transient) -> None:
+    """A negative token total (a negative lookahead) is an error where a group is selected."""
+    if keys is None or any(v.key in keys for v in tr.views):
+        raise InvalidArgumentError(f"num_tokens must be non-negative, got {total}")
+
+
+def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] | None = None,
+         lookahead: int = 0) -> list[int | str]:
+    """Run the step for every entry in order on ``tr``; the refused request ids.
+
+    A bad entry raises a typed error (the caller discards ``tr``).
+    ``block_hashes`` maps request ids to their :class:`~kvfunc.BlockHashes`
+    (read only for entries that need them); ``lookahead`` applies to
+    3-tuples.
+    """
+    refused: list[int | str] = []
+    limit = tr.max_model_len
+    slots = tr.slots.slots
+    caching = tr.caching
+    lane = quiet_lane(tr)
+    checked: set[int] = set()  # hash block sizes checked against every group
+    for e in entries:
+        if type(e) is tuple and len(e) == 3:
+            rid, computed, new = e
+            if ((type(rid) is not str and type(rid) is not int) or type(computed) is not int
+                    or type(new) is not int or computed < 0 or new < 0):
+                _entry(e, lookahead)  # raises the precise error
+            written = computed + new
+            total = written + lookahead
+            reserved, keys, hashes, hit = 0, None, None, None
+        else:
+            rid, computed, new, la, reserved, keys, hashes, hit = _entry(e, lookahead)
+            written = computed + new
+            total = written + la
+        if total < 0:
+            _negative_total(total, keys, tr)
+            total = 0
+        if computed > limit:
+            computed = limit
+        if written > limit:
+            written = limit
+        if total > limit:
+            total = limit
+        if lane is not None and not reserved and keys is None and hit is None:
+            slot = slots.get(rid)
+            if slot is not None:
+                for rows, bs, w1 in lane:  # the quiet lane (see the module docstring)
+                    if slot >= len(rows):
+                        break
+                    row = rows[slot]
+                    if row is None or total > row[1] * bs:
+                        break
+                    if w1 is not None and (computed - w1) // bs > row[2] < row[1]:
+                        break
+                    if caching and ((total and computed // bs < row[3])
+                                    or (written // bs > row[4] and written // bs > row[2])):
+                        break
+                else:
+                    continue
+        if hashes is None and block_hashes is not None and caching:
+            hashes = block_hashes.get(rid)
+        if hit is not None or (hashes is not None and (type(hashes) is not BlockHashes
+                                                       or hashes.block_size not in checked)):
+            check_hashes(tr, hashes, hit is not None)  # hashes is a BlockHashes from here on
+            if hit is not None:
+                check_hit(tr, rid, computed, keys, hashes, hit)  # type: ignore[arg-type]
+            checked.add(hashes.block_size)  # type: ignore[union-attr]
+        if not step(tr, rid, computed, written, total, reserved, keys, hashes, hit):
+            refused.append(rid)
+        if lane is not None and any(v.rows is not r for v, (r, _, _) in zip(tr.views, lane,
+                                                                            strict=True)):
+            lane = quiet_lane(tr)  # a group's rows became its working copy's
+    return refused

@@ -1,0 +1,256 @@
+"""Working copies: what one transition (or the compat facade) edits, then freezes.
+
+Transitions never touch a published :class:`~kvfunc.KVState`.  They open a
+:class:`Transient` on it; a group's :class:`GroupCopy` is made on its first
+write (the rows turn into a vector evolver, the ring into a
+:class:`~kvfunc.core._pool.RingCopy`), and :meth:`Transient.freeze` hands the
+edits over to a new state.  Freezing marks the working copies shared again,
+so the same transient can go on being edited: the compat facade keeps one
+between calls and materialises a state only when asked.
+
+A :class:`GroupCopy` offers the *primitives* of every transition: register,
+drop, take, free, recycle, append.  Each one records its rows in the
+transition's :class:`~kvfunc.core._delta.DeltaBuilder` (when there is one)
+in the order it acts, so the delta is the transition's exact log and replay
+runs the same primitives.  Prefix caching is a strategy of the group: the
+caching working copy (``_cache_group``) overrides how blocks are taken,
+freed and shared (reference counts, the hash store, the eviction order)
+and adds storing; the step in ``_step`` calls the same primitives either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvfunc.core._delta import DeltaBuilder
+from kvfunc.core._policy import Policy
+from kvfunc.core._pool import RingCopy
+from kvfunc.core._rows import EMPTY_ROW, Row, SlotMap, extend_row, row_table
+from kvfunc.core._state import GroupState, KVState, find_group, reslot
+
+__all__ = ["CACHING_KIND", "GroupCopy", "Transient"]
+
+_new = tuple.__new__
+
+
+class GroupCopy:
+    """The working copy of one group (see the module docstring)."""
+
+    __slots__ = ("block_size", "changed", "count", "detached", "grows", "key", "may_skip",
+                 "num_rows", "owns_rows", "policy", "ring", "rows", "sink", "slots", "src",
+                 "window")
+
+    caching = False
+
+    def __init__(self, group: GroupState, sink: DeltaBuilder | None) -> None:
+        policy: Policy = group.policy
+        self.src = group
+        self.key = group.key
+        self.policy = policy
+        self.block_size: int = policy.block_size
+        self.window: int | None = policy.window
+        self.may_skip: bool = policy.may_skip
+        self.grows: bool = policy.grows_with_tokens
+        self.slots: SlotMap = group.slots
+        self.rows: Any = group.rows
+        self.owns_rows = False
+        self.num_rows = group.num_rows
+        self.ring = RingCopy(group.free_ring, group.free_head)
+        self.count = group.num_free
+        self.detached = group.num_detached
+        self.sink = sink
+        self.changed = False
+
+    # -- rows -------------------------------------------------------------------
+    def row(self, slot: int) -> Row | None:
+        """The row at ``slot`` (None: not registered here)."""
+        rows = self.rows
+        return rows[slot] if slot < len(rows) else None
+
+    def put(self, slot: int, row: Row) -> None:
+        """Bind the row at ``slot`` (the vector becomes an evolver on the first write)."""
+        rows = self.rows
+        if not self.owns_rows:
+            rows = self.rows = rows.evolver()
+            self.owns_rows = True
+        if slot >= len(rows):
+            rows.extend([None] * (slot + 1 - len(rows)))
+        if rows[slot] is None:
+            self.num_rows += 1
+        rows[slot] = row
+        self.changed = True
+
+    def register(self, request_id: int | str) -> Row:
+        """Record a registration; the caller puts the request's row."""
+        if self.sink is not None:
+            self.sink.registered.append((self.key, request_id))
+            self.sink.order.append("R")
+        return EMPTY_ROW
+
+    def drop(self, slot: int, request_id: int | str) -> Row:
+        """Remove and return the row at ``slot`` (its blocks are the caller's to free)."""
+        rows = self.rows
+        if not self.owns_rows:
+            rows = self.rows = rows.evolver()
+            self.owns_rows = True
+        row: Row = rows[slot]
+        rows[slot] = None
+        self.num_rows -= 1
+        self.changed = True
+        if self.sink is not None:
+            self.sink.released.append((self.key, request_id))
+            self.sink.order.append("L")
+        return row
+
+    # -- blocks -------------------------------------------------------------------
+    def take(self, n: int) -> list[int]:
+        """Pop ``n`` ids from the head of the free queue (the caller checked ``n <= count``)."""
+        self.count -= n
+        self.changed = True
+        return self.ring.pop(n)
+
+    def free(self, ids: Sequence[int]) -> None:
+        """Return blocks nobody holds to the free queue (the seed's tail), in order."""
+        if not ids:
+            return
+        ring = self.ring
+        ring.write((ring.head + self.count) % ring.cap, ids)
+        self.count += len(ids)
+        self.changed = True
+        sink = self.sink
+        if sink is not None:
+            key = self.key
+            sink.freed.extend([(key, b) for b in ids])
+            sink.order.append("F" * len(ids))
+
+    def release(self, ids: Sequence[int]) -> None:
+        """Drop one holder of each block; free those nobody holds (all of them, here)."""
+        self.free(ids)
+
+    def free_ids(self) -> list[int]:
+        """Every free block in hand-out order (O(free); for checks and the compat pool)."""
+        return self.ring.entries(self.count)
+
+    def table(self, request_id: int | str) -> tuple[int, ...] | None:
+        """The request's block ids (null entries 0), or None when it is not registered here."""
+        slot = self.slots.get(request_id)
+        row = None if slot is None else self.row(slot)
+        return None if row is None else row_table(row)
+
+    def reclaimable(self, row: Row, upto: int) -> int:
+        """Blocks that recycling positions ``row.nulls .. upto - 1`` returns to the queue."""
+        return upto - row.nulls
+
+    def release_row(self, row: Row) -> None:
+        """Free a dropped row's blocks: in logical order (the seed's)."""
+        self.release(row.ids[row.nulls:row.length])
+
+    def recycle(self, request_id: int | str, row: Row, upto: int) -> Row:
+        """Null positions ``row.nulls .. upto - 1`` and free their blocks, highest index first."""
+        lo = row.nulls
+        sink = self.sink
+        if sink is not None:
+            key = self.key
+            sink.nulled.extend([(key, request_id, p) for p in range(lo, upto)])
+            sink.order.append("N" * (upto - lo))
+        new = _new(Row, (row.ids, row.length, upto, row.shared, row.stored))
+        self.release(row.ids[upto - 1:lo - 1 if lo else None:-1])
+        return new
+
+    def append(self, request_id: int | str, row: Row, ids: Sequence[int], nulls: int = 0) -> Row:
+        """Append ``nulls`` null entries, then the taken blocks ``ids``, to ``row``."""
+        sink = self.sink
+        if sink is not None:
+            key = self.key
+            rows = [(key, request_id, 0)] * nulls
+            rows.extend([(key, request_id, b) for b in ids])
+            sink.appended.extend(rows)
+            sink.order.append("A" * len(rows))
+        return extend_row(row, ids, nulls)
+
+    # -- freezing -------------------------------------------------------------------
+    def freeze(self) -> GroupState:
+        """The group as an immutable value; the working copies become shared again."""
+        if not self.changed:
+            return self.src
+        rows = self.rows
+        if self.owns_rows:
+            rows = self.rows = rows.persistent()
+            self.owns_rows = False
+        ring = self.ring
+        self.src = GroupState(self.key, self.policy, rows, self.num_rows, self.slots,
+                              ring.frozen(), ring.head, self.count, self.detached,
+                              self._frozen_cache())
+        self.changed = False
+        return self.src
+
+    def _frozen_cache(self) -> Any:
+        return None
+
+
+# The caching working copy registers itself here (``_cache_group`` imports this module).
+CACHING_KIND: list[type[GroupCopy]] = []
+
+
+class Transient:
+    """The working copy of a whole :class:`~kvfunc.KVState`; group copies made on first write.
+
+    ``views[i]`` is what group ``i`` reads from: the published group until
+    :meth:`copy` makes its working copy.
+    """
+
+    __slots__ = ("caching", "copies", "max_model_len", "sink", "src", "views")
+
+    def __init__(self, state: KVState, sink: DeltaBuilder | None = None) -> None:
+        self.src = state
+        self.max_model_len = state.max_model_len
+        self.sink = sink
+        groups = state.groups
+        self.caching = bool(groups) and groups[0].cache is not None
+        self.views: list[Any] = list(groups)
+        self.copies: list[GroupCopy | None] = [None] * len(groups)
+
+    @property
+    def slots(self) -> SlotMap:
+        """The lineage's slot map (shared by every group)."""
+        return self.views[0].slots  # type: ignore[no-any-return]
+
+    def copy(self, i: int) -> GroupCopy:
+        """The working copy of group ``i`` (made on first use)."""
+        g = self.copies[i]
+        if g is None:
+            kind = CACHING_KIND[0] if self.caching else GroupCopy
+            g = self.copies[i] = self.views[i] = kind(self.views[i], self.sink)
+        return g
+
+    def all_copies(self) -> list[GroupCopy]:
+        """Every group's working copy."""
+        return [self.copy(i) for i in range(len(self.views))]
+
+    def group(self, key: str) -> GroupCopy:
+        """The working copy of ``key``'s group."""
+        i = self.views.index(find_group(self.views, key))
+        return self.copy(i)
+
+    def freeze(self) -> KVState:
+        """The current state as a value (the input state when nothing changed)."""
+        src = self.src
+        groups = tuple(g.freeze() if g is not None else v
+                       for g, v in zip(self.copies, self.views, strict=True))
+        if all(a is b for a, b in zip(groups, src.groups, strict=True)):
+            return src
+        slots = groups[0].slots
+        live = max(g.num_rows for g in groups)
+        if len(slots) > 2 * live + 64:  # mostly ids of finished requests: start a fresh map
+            groups = reslot(groups)
+            for i, g in enumerate(groups):  # the copies now edit the fresh rows
+                copy = self.copies[i]
+                if copy is not None:
+                    copy.src, copy.rows, copy.slots = g, g.rows, g.slots
+                else:
+                    self.views[i] = g
+        self.src = KVState(self.max_model_len, groups)
+        return self.src
+
+
