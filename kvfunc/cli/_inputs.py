@@ -13,8 +13,8 @@ a trace (CSV or JSONL)     64 MiB      after decompression; the Mooncake
 one line of a trace        1 MiB       a Mooncake line is ~2 KiB
 one line of a delta log    32 MiB      a final record lists every free block
 blocks of a simulated      2,097,152   each block costs host memory in the state
-state, all groups                      (a Mooncake conversation run at 1.73
-                                       million blocks peaks at 680 MiB)
+state, all groups                      (a Mooncake conversation run at 1.53
+                                       million blocks peaks at 630 MiB)
 =========================  ==========  =============================================
 
 A file that is larger (``/dev/zero`` is endless) is refused after reading one
