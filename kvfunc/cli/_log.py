@@ -11,7 +11,9 @@ A log is plain JSON, one object per line (no pickle, nothing executable)::
     {"final": {"num_deltas": 812, "groups": [{"key": "FullAttention",
                "tables": [[7, [1, 2, 3]]], "free": [4, 5, ...], "detached": 0}]}}
 
-A delta line holds the non-empty columns of one :class:`kvfunc.BlocksChanged`.
+A delta line holds the non-empty columns of one :class:`kvfunc.BlocksChanged`;
+block hashes are written as hex strings.  A run with prefix caching says so in
+its header (``"prefix_caching": true``); logs without the key are runs without.
 :func:`verify_log` rebuilds the initial state from the header, replays every
 delta with :func:`kvfunc.replay`, and compares the result with the recorded
 final state: every request's block table and every group's free queue, in
@@ -28,6 +30,7 @@ from typing import IO, Any, cast
 import attrs
 
 from kvfunc.cli._errors import CLIError
+from kvfunc.cli._inputs import MAX_LOG_LINE_BYTES, check_state_size, show
 from kvfunc.core import (
     DELTA_VERSION,
     BlocksChanged,
@@ -41,6 +44,7 @@ __all__ = ["LOG_VERSION", "DeltaLogWriter", "ReplayFailed", "state_content", "ve
 
 LOG_VERSION = 1
 _COLUMNS = BlocksChanged.FIELDS[1:]
+_HASH_COLUMNS = frozenset({"stored_hashes", "stored_parent_hashes", "evicted_hashes"})
 
 
 class ReplayFailed(Exception):
@@ -65,7 +69,26 @@ def _header(state: KVState, meta: dict[str, Any]) -> dict[str, Any]:
     groups = [{"key": g.key, "policy": g.policy.attn_type,
                "params": attrs.asdict(cast(Any, g.policy))} for g in state.groups]
     return {"kvfunc_delta_log": LOG_VERSION, "delta_version": DELTA_VERSION,
-            "max_model_len": state.max_model_len, "groups": groups, "meta": meta}
+            "max_model_len": state.max_model_len, "prefix_caching": state.prefix_caching,
+            "groups": groups, "meta": meta}
+
+
+def _to_json(name: str, value: Any) -> Any:
+    """One delta column as JSON: ``order`` as is, hashes as hex (a parent may be None)."""
+    if name == "order":
+        return value
+    if name in _HASH_COLUMNS:
+        return [None if h is None else h.hex() for h in value]
+    return list(value)
+
+
+def _from_json(name: str, value: Any) -> Any:
+    """A column read back: ``order`` as is, hex to bytes, lists (token ids) to tuples."""
+    if name == "order":
+        return value
+    if name in _HASH_COLUMNS:
+        return tuple(None if h is None else bytes.fromhex(h) for h in value)
+    return tuple(map(_leaf, value))
 
 
 class DeltaLogWriter:
@@ -95,8 +118,8 @@ class DeltaLogWriter:
 
     def write(self, step: int, delta: BlocksChanged) -> None:
         """Append one delta (its non-empty columns) recorded at ``step``."""
-        columns: dict[str, Any] = {name: value if name == "order" else list(value)
-                                   for name in _COLUMNS if (value := getattr(delta, name))}
+        columns: dict[str, Any] = {name: _to_json(name, value) for name in _COLUMNS
+                                   if (value := getattr(delta, name))}
         self._line({"step": step, "delta": columns})
         self.num_deltas += 1
 
@@ -117,10 +140,17 @@ def _initial_state(header: object, path: str) -> KVState:
         msg = f"delta version {header.get('delta_version')!r}, this kvfunc reads {DELTA_VERSION}"
         raise _malformed(path, 1, msg)
     try:
-        policies = {g["key"]: policy_class(g["policy"])(**g["params"]) for g in header["groups"]}
-        return KVState.create(policies, header["max_model_len"])
+        groups = header["groups"]
+        sizes = {str(i): g["params"]["num_blocks"] for i, g in enumerate(groups)}
+        if not all(type(n) is int for n in sizes.values()):
+            raise TypeError(f"num_blocks must be integers, got {show(list(sizes.values()))}")
+        check_state_size(sizes, fix="this log's cache is larger than kvfunc replays")
+        policies = {g["key"]: policy_class(g["policy"])(**g["params"]) for g in groups}
+        caching = header.get("prefix_caching", False)
+        return KVState.create(policies, header["max_model_len"], enable_prefix_caching=caching)
     except (KeyError, TypeError, ValueError) as exc:
-        raise _malformed(path, 1, f"the header does not rebuild a state ({exc})") from None
+        raise _malformed(path, 1, f"the header does not rebuild a state ({show(str(exc))})"
+                         ) from None
 
 
 def _delta(record: object, path: str, line: int) -> BlocksChanged:
@@ -130,8 +160,10 @@ def _delta(record: object, path: str, line: int) -> BlocksChanged:
     if not isinstance(columns.get("order", ""), str) or not all(
             isinstance(v, list) for k, v in columns.items() if k != "order"):
         raise _malformed(path, line, "a delta's order must be a string, its columns lists")
-    fields: dict[str, Any] = {name: value if name == "order" else tuple(map(_leaf, value))
-                              for name, value in columns.items()}
+    try:
+        fields: dict[str, Any] = {name: _from_json(name, value) for name, value in columns.items()}
+    except (TypeError, ValueError):
+        raise _malformed(path, line, "a hash column holds something other than hex") from None
     return BlocksChanged(**fields)
 
 
@@ -152,7 +184,7 @@ class _Reader:
             self.line += 1
             try:
                 record = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise _malformed(self.path, self.line, "not valid JSON") from None
             if isinstance(record, dict) and "final" in record:
                 self.final = record["final"]
@@ -204,6 +236,16 @@ def _compare(replayed: list[dict[str, Any]], recorded: object, path: str) -> Non
                                f"recorded final state{detail}")
 
 
+def _bounded_lines(handle: IO[str], path: str) -> Iterator[str]:
+    """The file's lines, each refused past :data:`MAX_LOG_LINE_BYTES` (``/dev/zero`` has none)."""
+    number = 0
+    while line := handle.readline(MAX_LOG_LINE_BYTES + 1):
+        number += 1
+        if len(line) > MAX_LOG_LINE_BYTES:
+            raise _malformed(path, number, "a line longer than 32 MiB")
+        yield line
+
+
 def verify_log(path: str | Path) -> tuple[KVState, int]:
     """Replay the log at ``path`` and check it reproduces its recorded final state.
 
@@ -233,13 +275,13 @@ def verify_log(path: str | Path) -> tuple[KVState, int]:
     except OSError as exc:
         raise CLIError(f"cannot read log {name!r}: {exc.strerror}") from None
     with handle:
-        lines = iter(handle)
+        lines = _bounded_lines(handle, name)
         try:
             header = json.loads(next(lines, "null"))
-        except ValueError:
-            raise _malformed(name, 1, "not valid JSON") from None
-        except UnicodeDecodeError:
+        except UnicodeDecodeError:  # a ValueError: caught first
             raise CLIError(f"log {name!r} is not UTF-8 text") from None
+        except (ValueError, RecursionError):
+            raise _malformed(name, 1, "not valid JSON") from None
         state = _initial_state(header, name)
         reader = _Reader(name)
         count = 0
@@ -254,10 +296,10 @@ def verify_log(path: str | Path) -> tuple[KVState, int]:
         except ReplayMismatchError as exc:
             msg = f"delta at line {reader.line} (step {reader.step}) does not apply: {exc}"
             raise ReplayFailed(msg) from None
+        except UnicodeDecodeError:  # a ValueError: caught first
+            raise CLIError(f"log {name!r} is not UTF-8 text") from None
         except (TypeError, ValueError) as exc:
             raise _malformed(name, reader.line, f"a delta column is malformed ({exc})") from None
-        except UnicodeDecodeError:
-            raise CLIError(f"log {name!r} is not UTF-8 text") from None
     if reader.final is None:
         msg = (f"{name}: the log ends at line {reader.line} without its final-state record; "
                "was the run that wrote it interrupted?")

@@ -24,8 +24,9 @@ from typing import Any
 import attrs
 
 from kvfunc.cli._errors import CLIError
-from kvfunc.cli._presets import ModelPreset
-from kvfunc.cli._units import format_bytes
+from kvfunc.cli._inputs import show
+from kvfunc.cli._presets import MAX_MODEL_LEN, ModelPreset
+from kvfunc.cli._units import MAX_BYTES, format_bytes
 from kvfunc.core import (
     CacheAllocator,
     CacheEntry,
@@ -36,7 +37,11 @@ from kvfunc.core import (
     dtype_itemsize,
 )
 
-__all__ = ["Budget", "GroupPlan", "PlanConfig", "PlanReport", "plan_model", "size_blocks"]
+__all__ = ["MAX_CONCURRENCY", "Budget", "GroupPlan", "PlanConfig", "PlanReport", "plan_model",
+           "size_blocks"]
+
+#: The most requests a plan or a simulation may run at once (``--concurrency``).
+MAX_CONCURRENCY = 2**20
 
 
 @attrs.frozen
@@ -53,9 +58,15 @@ class Budget:
     extra_reserved_bytes: int = 0
 
     def __attrs_post_init__(self) -> None:
+        sizes = (("--memory", self.memory_bytes), ("--used-memory", self.used_bytes),
+                 ("--extra-reserved", self.extra_reserved_bytes))
+        for name, size in sizes:
+            if type(size) is not int or size > MAX_BYTES:
+                raise CLIError(f"{name} must be a whole number of bytes up to 1 EiB, got "
+                               f"{size!r}")
         if self.memory_bytes <= 0:
             raise CLIError(f"--memory must be positive, got {self.memory_bytes} bytes")
-        if not 0 < self.mem_fraction <= 1:
+        if not (isinstance(self.mem_fraction, int | float) and 0 < self.mem_fraction <= 1):
             raise CLIError(f"--mem-fraction must lie in (0, 1], got {self.mem_fraction}")
         if not 0 <= self.used_bytes <= self.memory_bytes:
             msg = (f"--used-memory ({format_bytes(self.used_bytes)}) must lie between 0 and "
@@ -90,16 +101,16 @@ class PlanConfig:
     offline_max_len: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        for name, value in (("--concurrency", self.concurrency), ("--max-len", self.max_len)):
-            if type(value) is not int or value <= 0:
-                raise CLIError(f"{name} must be a positive integer, got {value!r}")
-        offline = self.offline_max_len
-        if offline is not None and (type(offline) is not int or offline <= 0):
-            raise CLIError(f"--offline-max-len must be a positive integer, got {offline!r}")
-        if type(self.max_prefill_tokens) is not int or self.max_prefill_tokens < 0:
-            msg = f"--max-prefill-tokens must be a non-negative integer, got " \
-                  f"{self.max_prefill_tokens!r}"
-            raise CLIError(msg)
+        checks = (("--concurrency", self.concurrency, 1, MAX_CONCURRENCY),
+                  ("--max-len", self.max_len, 1, MAX_MODEL_LEN),
+                  ("--offline-max-len", self.offline_max_len, 1, MAX_MODEL_LEN),
+                  ("--max-prefill-tokens", self.max_prefill_tokens, 0, MAX_MODEL_LEN))
+        for name, value, least, most in checks:
+            if value is None and name == "--offline-max-len":
+                continue
+            if type(value) is not int or not least <= value <= most:
+                raise CLIError(f"{name} must be an integer from {least} to {most:,}, got "
+                               f"{show(value)}")
 
 
 @attrs.frozen
@@ -110,7 +121,7 @@ class GroupPlan:
     attn_type: str
     sizing: str  # "paged" (from the budget) or "fixed" (from the batch)
     block_size: int
-    num_blocks: int
+    num_blocks: int  # the pool, null block included (what calculate_block_num returns)
     tokens: int | None  # token slots, the null block excluded; None for recurrent states
     block_bytes: int
     bytes: int
@@ -152,7 +163,8 @@ class PlanReport:
             "max_prefill_tokens": self.config.max_prefill_tokens,
             "max_len": self.config.max_len,
             "offline_max_len": self.config.offline_max_len,
-            "groups": [attrs.asdict(g) for g in self.groups],
+            "groups": [{**attrs.asdict(g), "usable_blocks": g.num_blocks - 1}
+                       for g in self.groups],
             "total_bytes": self.total_bytes,
             "max_concurrency": self.max_concurrency,
         }
@@ -227,14 +239,20 @@ def size_blocks(model: ModelPreset, config: PlanConfig) -> dict[str, int]:
                           mem_fraction_static=float(budget.mem_fraction),
                           max_prefill_tokens=config.max_prefill_tokens, next_n=model.next_n)
     try:
-        return calculate_block_num(
+        blocks = calculate_block_num(
             sizing, model.cache_info, free_memory_bytes=budget.memory_bytes - budget.used_bytes,
             total_memory_bytes=budget.memory_bytes, offline_max_len=config.offline_max_len,
             extra_reserved_memory_bytes=budget.extra_reserved_bytes)
+        # The sizing checks the window and state caches only on its way to the paged
+        # groups: a model without paged groups needs the check here.
+        _, fixed = calculate_fixed_block_memory_bytes(sizing, model.cache_info)
     except MemoryError as exc:
         raise CLIError(_explain_shortage(model, config, sizing, str(exc))) from None
     except ValueError as exc:
         raise CLIError(f"cannot size {model.name}: {exc}") from None
+    if fixed > budget.cache_budget_bytes:
+        raise CLIError(_explain_shortage(model, config, sizing, "state caches do not fit"))
+    return blocks
 
 
 def plan_model(model: ModelPreset, config: PlanConfig) -> PlanReport:

@@ -1,4 +1,4 @@
-"""A PNG of block usage per manager key over simulated time (matplotlib, Agg backend).
+"""PNGs of a run over simulated time and of a capacity sweep (matplotlib, Agg backend).
 
 The figure is drawn on an explicit Agg canvas, never through ``pyplot``: no
 GUI backend is ever selected and no global figure state is kept.
@@ -6,20 +6,25 @@ GUI backend is ever selected and no global figure state is kept.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._simulate import SimulationResult
+from kvfunc.cli._sweep import SweepResult
+from kvfunc.cli._units import format_bytes
 
-__all__ = ["downsample", "plot_usage"]
+__all__ = ["downsample", "plot_sweep", "plot_usage"]
 
 MAX_POINTS = 2000
 
 
-def downsample(times: tuple[float, ...], values: tuple[int, ...], max_points: int = MAX_POINTS
+def downsample(times: Sequence[float], values: Sequence[int], max_points: int = MAX_POINTS
                ) -> tuple[list[float], list[int]]:
     """At most ``max_points`` points: each bucket's last time and its *peak* value.
 
@@ -37,8 +42,62 @@ def downsample(times: tuple[float, ...], values: tuple[int, ...], max_points: in
     return xs, ys
 
 
+def _save(fig: Figure, path: str | Path) -> Path:
+    fig.tight_layout()
+    out = Path(path)
+    try:
+        fig.savefig(out, format="png")
+    except OSError as exc:
+        raise CLIError(f"cannot write the plot to {str(out)!r}: {exc.strerror}") from None
+    return out
+
+
+def _usage_panel(ax: Any, result: SimulationResult) -> None:
+    for group, used in zip(result.groups, result.usage, strict=True):
+        xs, ys = downsample(result.times, used)
+        usable = max(1, group.num_blocks - 1)
+        kind = "" if group.manager_key == group.attn_type else f" ({group.attn_type})"
+        label = (f"{group.manager_key}{kind}: {usable:,} usable blocks, "
+                 f"peak {group.peak_fraction:.0%}, mean {group.mean_fraction:.0%}")
+        ax.plot(xs, [100 * y / usable for y in ys], linewidth=0.9, label=label)
+    ax.set_ylabel("blocks in use (%)")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=7, loc="lower right", framealpha=0.8)
+
+
+def _series_panel(ax: Any, times: tuple[float, ...], series: dict[str, tuple[int, ...]],
+                  names: tuple[str, ...], labels: tuple[str, ...], ylabel: str) -> None:
+    for name, label in zip(names, labels, strict=True):
+        xs, ys = downsample(times, series[name])
+        ax.plot(xs, ys, linewidth=0.9, label=f"{label} ({series[name][-1]:,} at the end)"
+                if name in ("preemptions", "refused_allocations") else label)
+    ax.set_ylabel(ylabel)
+    top = max((max(series[name], default=0) for name in names), default=0)
+    ax.set_ylim(0, max(1.0, 1.08 * top))
+    ax.legend(fontsize=7, loc="upper left", framealpha=0.8)
+
+
+def _hit_panel(ax: Any, result: SimulationResult) -> None:
+    prefix = result.prefix
+    assert prefix is not None
+    xs, hits = downsample(result.times, result.series["hit_tokens"])
+    _, prompts = downsample(result.times, result.series["prompt_tokens"])
+    ax.plot(xs, [100 * h / p if p else 0.0 for h, p in zip(hits, prompts, strict=True)],
+            linewidth=0.9, label=f"hit rate so far ({prefix.hit_rate:.1%} at the end)")
+    ax.axhline(100 * prefix.bound.hit_rate, color="0.3", linestyle="--", linewidth=0.9,
+               label=f"trace's upper bound, infinite cache ({prefix.bound.hit_rate:.1%})")
+    ax.set_ylabel("prompt tokens hit (%)")
+    ax.set_ylim(0, max(5.0, 120 * prefix.bound.hit_rate))
+    ax.legend(fontsize=7, loc="center right", framealpha=0.8)
+
+
 def plot_usage(result: SimulationResult, path: str | Path, *, title: str | None = None) -> Path:
-    """Write a PNG of each group's used blocks (percent of usable blocks) over time.
+    """Write a PNG of a run over simulated time, one panel per question.
+
+    Panels: each group's blocks in use (percent of its usable blocks);
+    requests waiting and running; preemptions and refused allocations so far;
+    and, on a run that caches prefixes, the hit rate so far against the
+    trace's upper bound.
 
     Raises:
         CLIError: the file cannot be written.
@@ -54,31 +113,84 @@ def plot_usage(result: SimulationResult, path: str | Path, *, title: str | None 
     ...     plot_usage(result, pathlib.Path(tmp) / "u.png").read_bytes()[:4]
     b'\x89PNG'
     """
-    fig = Figure(figsize=(9, 4.6), dpi=110)
+    caching = result.prefix is not None and result.prefix.enabled
+    panels = 4 if caching else 3
+    fig = Figure(figsize=(9, 2.1 * panels + 0.8), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(panels, 1, sharex=True)
+    _usage_panel(axes[0], result)
+    times, series = result.times, result.series
+    _series_panel(axes[1], times, series, ("waiting", "running"),
+                  ("waiting requests", "running requests"), "requests")
+    _series_panel(axes[2], times, series, ("preemptions", "refused_allocations"),
+                  ("preemptions", "refused allocations"), "events so far")
+    if caching:
+        _hit_panel(axes[3], result)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("simulated time (s)")
+    cfg = result.config
+    default_title = (f"{cfg.model.name}: {len(cfg.trace.requests):,} requests of "
+                     f"{cfg.trace.name}, {format_bytes(cfg.budget.memory_bytes)} of memory")
+    axes[0].set_title(title or default_title, fontsize=10)
+    return _save(fig, path)
+
+
+def _short(count: float) -> str:
+    """``1.5M``, ``200k``: a tick label for a token count.
+
+    >>> _short(1_500_000), _short(200_000), _short(512)
+    ('1.5M', '200k', '512')
+    """
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if count >= scale:
+            return f"{count / scale:g}{unit}"
+    return f"{count:g}"
+
+
+def plot_sweep(sweep: SweepResult, path: str | Path, *, title: str | None = None) -> Path:
+    """Write a PNG of hit rate against cache capacity (log x), the upper bound marked.
+
+    Each point is labelled with the ``--memory`` of its run.
+
+    Raises:
+        CLIError: the file cannot be written.
+
+    >>> import tempfile, pathlib
+    >>> from kvfunc.cli import (Budget, SimulationConfig, SweepPoint, UpperBound,
+    ...                         build_preset, synthetic_trace)
+    >>> base = SimulationConfig(build_preset("llama-3-8b"), synthetic_trace(1), Budget(2**33))
+    >>> points = tuple(SweepPoint(2**30 * m, 15_000 * m, {}, 1000, 100 * m, 0, 0, 10, 0, 0, 1.0)
+    ...                for m in (1, 2, 3))
+    >>> sweep = SweepResult(base, points, UpperBound(1000, 350), False, 3.0)
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     plot_sweep(sweep, pathlib.Path(tmp) / "s.png").read_bytes()[:4]
+    b'\x89PNG'
+    """
+    fig = Figure(figsize=(8, 4.8), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    for group, used in zip(result.groups, result.usage, strict=True):
-        xs, ys = downsample(result.times, used)
-        usable = max(1, group.num_blocks - 1)
-        kind = "" if group.manager_key == group.attn_type else f" ({group.attn_type})"
-        label = (f"{group.manager_key}{kind}: {usable:,} blocks, "
-                 f"peak {group.peak_fraction:.0%}, mean {group.mean_fraction:.0%}")
-        ax.plot(xs, [100 * y / usable for y in ys], linewidth=0.9, label=label)
-    cfg = result.config
-    default_title = (f"{cfg.model.name}: KV-cache blocks in use, "
+    xs = [p.capacity_tokens for p in sweep.points]
+    ys = [100 * p.hit_rate for p in sweep.points]
+    ax.plot(xs, ys, marker="o", linewidth=1.2, label="simulated hit rate")
+    for p in sweep.points:
+        # above and to the left: a rising curve leaves that corner free
+        ax.annotate(format_bytes(p.memory_bytes), (p.capacity_tokens, 100 * p.hit_rate),
+                    textcoords="offset points", xytext=(-5, 5), ha="right", fontsize=6.5,
+                    color="0.35")
+    bound = 100 * sweep.bound.hit_rate
+    ax.axhline(bound, color="0.3", linestyle="--", linewidth=1,
+               label=f"trace's upper bound, infinite cache ({bound:.1f} %)")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: _short(x)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("cache capacity (tokens, log scale; labels: --memory of each run)")
+    ax.set_ylabel("prompt tokens hit (%)")
+    ax.set_ylim(0, max(5.0, 1.15 * bound))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper left")
+    cfg = sweep.config
+    default_title = (f"{cfg.model.name}: prefix-cache hit rate against capacity, "
                      f"{len(cfg.trace.requests):,} requests of {cfg.trace.name}")
     ax.set_title(title or default_title, fontsize=10)
-    ax.set_xlabel("simulated time (s)")
-    ax.set_ylabel("blocks in use (%)")
-    ax.set_ylim(0, 105)
-    ax.grid(alpha=0.3)
-    # Below the axes, so that it never hides a peak.
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
-              frameon=False)
-    fig.tight_layout()
-    out = Path(path)
-    try:
-        fig.savefig(out, format="png")
-    except OSError as exc:
-        raise CLIError(f"cannot write the plot to {str(out)!r}: {exc.strerror}") from None
-    return out
+    return _save(fig, path)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import attrs
 
 from kvfunc.cli._errors import CLIError
+from kvfunc.cli._inputs import show
 from kvfunc.core import (
     CacheEntry,
     LayerCacheInfo,
@@ -30,7 +31,15 @@ from kvfunc.core import (
     validate_cache_info,
 )
 
-__all__ = ["PRESETS", "ModelPreset", "build_preset", "preset_names"]
+__all__ = ["MAX_FIELD", "MAX_MODEL_LEN", "MAX_NEXT_N", "PRESETS", "ModelPreset", "build_preset",
+           "preset_names"]
+
+#: The largest dimension, head count, block size, window or ratio a model may have.
+MAX_FIELD = 2**24
+#: The deepest multi-token prediction (``next_n``, ``--mtp``).
+MAX_NEXT_N = 16
+#: The longest context a model or a simulation may have (``max_model_len``).
+MAX_MODEL_LEN = 2**24
 
 
 @attrs.frozen
@@ -234,20 +243,21 @@ def build_preset(name: str, *, block_size: int | None = None, kv_dtype: str | No
     """
     entry = PRESETS.get(name)
     if entry is None:
-        msg = (f"unknown preset {name!r}; choose one of {preset_names()} "
+        msg = (f"unknown preset {show(name)}; choose one of {preset_names()} "
                "or describe your model in a file with --model FILE.toml")
         raise CLIError(msg)
-    if block_size is not None and (type(block_size) is not int or block_size <= 0):
-        msg = f"--block-size must be a positive integer, got {block_size!r}"
+    if block_size is not None and (type(block_size) is not int
+                                   or not 0 < block_size <= MAX_FIELD):
+        msg = f"--block-size must be an integer from 1 to {MAX_FIELD:,}, got {block_size!r}"
         raise CLIError(msg)
-    if next_n is not None and (type(next_n) is not int or next_n < 0):
-        msg = f"--mtp must be a non-negative integer, got {next_n!r}"
+    if next_n is not None and (type(next_n) is not int or not 0 <= next_n <= MAX_NEXT_N):
+        msg = f"--mtp must be an integer from 0 to {MAX_NEXT_N}, got {next_n!r}"
         raise CLIError(msg)
     if kv_dtype is not None:
         try:
             dtype_itemsize(kv_dtype)
         except ValueError:
-            msg = f"--kv-dtype {kv_dtype!r} is not a dtype kvfunc knows; try bfloat16 or fp8"
+            msg = f"--kv-dtype {show(kv_dtype)} is not a dtype kvfunc knows; try bfloat16 or fp8"
             raise CLIError(msg) from None
     builder, default_next_n = entry
     opts = _Options(block_size, kv_dtype, default_next_n if next_n is None else next_n)

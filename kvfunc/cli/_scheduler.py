@@ -21,9 +21,16 @@ One :meth:`Scheduler.step` is one engine step of ``step_s`` simulated seconds:
    the first refused one, which keeps the queue FIFO;
 5. finished requests are freed.
 
-Every decode step is taken to accept all ``next_n`` draft tokens.  There is
-no prefix caching: the traces record token counts, not the token ids a hit
-depends on, so every prompt is prefilled in full.
+Every decode step is taken to accept all ``next_n`` draft tokens.
+
+With a :class:`~kvfunc.cli._prefix.PrefixCacher` (a trace that names its
+prompt blocks, on a state with prefix caching), step 3 looks each admission
+up first (:func:`kvfunc.lookup_prefix` on the state before the step) and
+admits it with its hit: ``computed_tokens`` starts at the hit, and only the
+rest is prefilled.  Every entry carries the request's block hashes, so the
+blocks it fills are cached as it goes, and a preempted request finds its own
+blocks when it is admitted again.  Without one, every prompt is prefilled in
+full.
 """
 
 from __future__ import annotations
@@ -35,12 +42,23 @@ from typing import Any
 
 import attrs
 
+from kvfunc.cli._prefix import PrefixCacher
 from kvfunc.cli._trace import TraceRequest
-from kvfunc.core import BlocksChanged, KVState, allocate_batch, allocate_slots, free_request
+from kvfunc.core import (
+    BlocksChanged,
+    KVState,
+    PrefixCacheStats,
+    allocate_batch,
+    allocate_slots,
+    free_request,
+)
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
 DeltaSink = Callable[[int, BlocksChanged], None]
+#: The per-step series a scheduler records (see :attr:`Scheduler.series`).
+SERIES = ("waiting", "running", "preemptions", "refused_allocations", "prompt_tokens",
+          "hit_tokens")
 
 
 @attrs.frozen
@@ -76,11 +94,19 @@ class Scheduler:
     """
 
     def __init__(self, state: KVState, requests: Sequence[TraceRequest], config: SchedulerConfig,
-                 *, on_delta: DeltaSink | None = None) -> None:
+                 *, on_delta: DeltaSink | None = None, prefix: PrefixCacher | None = None
+                 ) -> None:
         self.state = state
         self.config = config
-        self._fresh = state
+        # An empty state to check that a request fits at all.  Without a prefix cache: an
+        # early snapshot of a caching lineage pays for the index the lineage grew since.
+        self._fresh = state if not state.prefix_caching else KVState.create(
+            {g.key: g.policy for g in state.groups}, state.max_model_len)
         self._on_delta = on_delta
+        #: Block hashes, lookups and hit counters; None without prefix caching.
+        self.prefix = prefix
+        #: What the deltas say the prefix cache did (stored and evicted blocks).
+        self.prefix_stats = PrefixCacheStats()
         self.arrival = [r.arrival_s / config.speedup for r in requests]
         self.prompt = [r.prompt_tokens for r in requests]
         self.output = [r.output_tokens for r in requests]
@@ -89,6 +115,8 @@ class Scheduler:
         self.target = list(self.prompt)  # tokens to prefill before decoding
         self.generated = [0] * n
         self.preempted = [False] * n
+        #: Requests rejected on arrival (too long, or larger than the whole cache).
+        self.rejected_ids: list[int] = []
         self.running: list[int] = []
         self.waiting: deque[int] = deque()
         self._next = 0
@@ -96,10 +124,15 @@ class Scheduler:
         self.steps = 0
         self.finished = self.rejected = self.preemptions = self.refused_allocations = 0
         self.prefill_tokens = self.recomputed_tokens = self.generated_tokens = 0
+        self.prompt_tokens = 0  # prompts of the requests admitted (first admissions)
         self._capacity = [g.policy.num_blocks - 1 for g in state.groups]
         #: Per group, blocks held after each step (the null block excluded).
         self.usage: list[list[int]] = [[] for _ in state.groups]
-        #: Simulated time at the end of each step, and the allocator's seconds in it.
+        #: After each step: requests waiting and running, and running totals of
+        #: preemptions, refused allocations, admitted prompt tokens and their hits.
+        self.series: dict[str, list[int]] = {name: [] for name in SERIES}
+        #: Simulated time at the end of each step, and the allocator's seconds in it
+        #: (allocations, frees and prefix lookups).
         self.times: list[float] = []
         self.alloc_s: list[float] = []
         self._spent = 0.0
@@ -111,6 +144,8 @@ class Scheduler:
 
     # -- transitions, timed and logged ----------------------------------------------------
     def _emit(self, delta: BlocksChanged) -> None:
+        if self.prefix is not None:
+            self.prefix_stats = self.prefix_stats.add(delta)
         if self._on_delta is not None and not delta.is_empty:
             self._on_delta(self.steps, delta)
 
@@ -145,33 +180,50 @@ class Scheduler:
                 self.waiting.append(rid)
             else:
                 self.rejected += 1
+                self.rejected_ids.append(rid)
 
     def _running_batch(self, budget: int) -> tuple[list[tuple[Any, ...]], int]:
         n = self.config.next_n
         width = 1 + n
-        computed, target = self.computed, self.target
+        computed, target, prefix = self.computed, self.target, self.prefix
         batch: list[tuple[Any, ...]] = []
         for rid in self.running:
             c = computed[rid]
             left = target[rid] - c
             if left > 0:
                 chunk = left if left < budget else budget
-                if chunk > 0:
-                    batch.append((rid, c, chunk))
-                    budget -= chunk
+                if chunk <= 0:
+                    continue
+                new, lookahead = chunk, 0
             elif budget >= width:
-                batch.append((rid, c, 1) if not n else (rid, c, width, n - 1, 0, None))
-                budget -= width
+                new, lookahead = width, n - 1 if n else 0
+            else:
+                continue
+            budget -= new
+            if prefix is not None:  # hashed up to c + new: the blocks it fills get cached
+                batch.append((rid, c, new, lookahead, 0, None, prefix.hashes(rid, c + new)))
+            else:
+                batch.append((rid, c, new, lookahead) if lookahead else (rid, c, new))
         return batch, budget
 
     def _admissions(self, budget: int) -> list[tuple[Any, ...]]:
         room = self.config.max_num_seqs - len(self.running)
+        prefix, state = self.prefix, self.state
         batch: list[tuple[Any, ...]] = []
         for rid in self.waiting:
             if room <= 0 or budget <= 0:
                 break
-            chunk = min(self.target[rid], budget)
-            batch.append((rid, 0, chunk))
+            target = self.target[rid]
+            if prefix is None:
+                chunk = min(target, budget)
+                batch.append((rid, 0, chunk))
+            else:
+                t0 = time.perf_counter()
+                hit = prefix.lookup(state, rid, target)
+                self._spent += time.perf_counter() - t0
+                chunk = min(target - hit.num_tokens, budget)
+                batch.append((rid, hit.num_tokens, chunk, 0, 0, None,
+                              prefix.hashes(rid, target), hit))
             budget -= chunk
             room -= 1
         return batch
@@ -228,8 +280,13 @@ class Scheduler:
         res, batch, num_admitted = self._plan_step()
         self.state = res.state
         self._emit(res.delta)
-        for _ in range(num_admitted):
-            self.running.append(self.waiting.popleft())
+        for entry in batch[len(batch) - num_admitted:]:
+            rid = self.waiting.popleft()
+            self.running.append(rid)
+            if not self.preempted[rid]:
+                self.prompt_tokens += self.prompt[rid]
+            if self.prefix is not None:
+                self.prefix.admitted(rid, entry[7], again=self.preempted[rid])
         self._advance(batch)
         self.steps += 1
         self.clock += self.config.step_s
@@ -238,7 +295,17 @@ class Scheduler:
         capacity = self._capacity
         for i, g in enumerate(self.state.groups):
             self.usage[i].append(capacity[i] - g.num_free)
+        self._record()
         return True
+
+    def _record(self) -> None:
+        series, prefix = self.series, self.prefix
+        for name, value in (("waiting", len(self.waiting)), ("running", len(self.running)),
+                            ("preemptions", self.preemptions),
+                            ("refused_allocations", self.refused_allocations),
+                            ("prompt_tokens", self.prompt_tokens),
+                            ("hit_tokens", 0 if prefix is None else prefix.hit_tokens)):
+            series[name].append(value)
 
     def _advance(self, batch: list[tuple[Any, ...]]) -> None:
         computed, target, generated, output = self.computed, self.target, self.generated, \
@@ -267,6 +334,8 @@ class Scheduler:
             state = self.state
             for rid in finished:
                 state = self._free(state, rid)
+                if self.prefix is not None:
+                    self.prefix.release(rid)
             self.state = state
             self.finished += len(finished)
             gone = set(finished)

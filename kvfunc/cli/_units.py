@@ -6,7 +6,10 @@ import re
 
 from kvfunc.cli._errors import CLIError
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["MAX_BYTES", "format_bytes", "parse_bytes"]
+
+#: The largest size accepted (1 EiB): sizes stay exact in a float and far above any device.
+MAX_BYTES = 2**60
 
 _UNITS = {
     "": 1, "b": 1,
@@ -28,7 +31,7 @@ def parse_bytes(text: str, *, what: str = "memory") -> int:
         The size in bytes, rounded down to a whole byte.
 
     Raises:
-        CLIError: the text is not a non-negative size.
+        CLIError: the text is not a size from 0 to 1 EiB (:data:`MAX_BYTES`).
 
     >>> parse_bytes("64GiB"), parse_bytes("1.5 kB"), parse_bytes("512")
     (68719476736, 1500, 512)
@@ -36,19 +39,31 @@ def parse_bytes(text: str, *, what: str = "memory") -> int:
     Traceback (most recent call last):
     ...
     kvfunc.cli._errors.CLIError: memory 'lots' is not a size; write it like 64GiB or 80GB
+    >>> parse_bytes("-5GiB", what="--memory")
+    Traceback (most recent call last):
+    ...
+    kvfunc.cli._errors.CLIError: --memory '-5GiB' is negative; a size is 0 or more, like 64GiB
     """
-    match = _PATTERN.fullmatch(text)
+    match = _PATTERN.fullmatch(text) if len(text) <= 64 else None
     factor = _UNITS.get(match.group(2).lower()) if match else None
     if match is None or factor is None:
-        msg = f"{what} {text!r} is not a size; write it like 64GiB or 80GB"
+        shown = text if len(text) <= 64 else text[:60] + "..."
+        if text.strip().startswith("-") and _PATTERN.fullmatch(text.strip()[1:]):
+            msg = f"{what} {shown!r} is negative; a size is 0 or more, like 64GiB"
+        else:
+            msg = f"{what} {shown!r} is not a size; write it like 64GiB or 80GB"
         raise CLIError(msg)
     number: str = match.group(1)
     if "." in number:
         whole, _, frac = number.partition(".")
         # Exact decimal arithmetic: 1.1GB is 1_100_000_000 bytes, not one less.
         scale: int = 10 ** len(frac)
-        return (int(whole or "0") * scale + int(frac or "0")) * factor // scale
-    return int(number) * factor
+        size = (int(whole or "0") * scale + int(frac or "0")) * factor // scale
+    else:
+        size = int(number) * factor
+    if size > MAX_BYTES:
+        raise CLIError(f"{what} {text!r} is more than 1 EiB, the largest size kvfunc takes")
+    return size
 
 
 def format_bytes(num_bytes: int | float) -> str:

@@ -1,8 +1,14 @@
-"""Data shipped with kvfunc: a sample of the Azure LLM inference trace 2023.
+"""Data shipped with kvfunc: request traces and their attributions.
 
-The two CSV files are the first 3,000 rows of the code and conversation
-traces of the Azure Public Dataset, licensed CC-BY-4.0; ``ATTRIBUTION.md``
-beside them gives the source, the licence and the citation.
+* ``code`` / ``conv``: the first 3,000 rows of the code and conversation
+  traces of the Azure LLM inference trace 2023 (Azure Public Dataset,
+  CC-BY-4.0).
+* ``mooncake-conversation`` / ``mooncake-synthetic``: the conversation and
+  synthetic request traces of Mooncake (Qin et al., FAST 2025), whole and
+  gzip-compressed, under the Apache License 2.0 (its text ships beside them
+  as ``mooncake_LICENSE-APACHE.txt``).
+
+``ATTRIBUTION.md`` gives the source, the licence and the citation of each.
 """
 
 from __future__ import annotations
@@ -10,12 +16,19 @@ from __future__ import annotations
 from importlib import resources
 from importlib.resources.abc import Traversable
 
-__all__ = ["TRACE_SAMPLES", "attribution", "trace_sample"]
+__all__ = ["MOONCAKE_TRACES", "TRACE_SAMPLES", "attribution", "mooncake_license",
+           "mooncake_trace", "trace_sample"]
 
-#: Trace name -> packaged file.
+#: Trace name -> packaged file (CSV with the Azure columns).
 TRACE_SAMPLES: dict[str, str] = {
     "code": "azure_llm_inference_2023_code_sample.csv",
     "conv": "azure_llm_inference_2023_conv_sample.csv",
+}
+
+#: Trace name -> packaged file (gzip-compressed JSON lines with 512-token block hash ids).
+MOONCAKE_TRACES: dict[str, str] = {
+    "mooncake-conversation": "mooncake_conversation_trace.jsonl.gz",
+    "mooncake-synthetic": "mooncake_synthetic_trace.jsonl.gz",
 }
 
 
@@ -28,10 +41,29 @@ def trace_sample(name: str) -> Traversable:
     return resources.files(__name__).joinpath(TRACE_SAMPLES[name])
 
 
-def attribution() -> str:
-    """The text of ``ATTRIBUTION.md`` (source, licence, citation).
+def mooncake_trace(name: str) -> Traversable:
+    """The packaged Mooncake trace ``name`` (a key of :data:`MOONCAKE_TRACES`).
 
-    >>> "CC-BY-4.0" in attribution()
-    True
+    >>> mooncake_trace("mooncake-conversation").name
+    'mooncake_conversation_trace.jsonl.gz'
+    """
+    return resources.files(__name__).joinpath(MOONCAKE_TRACES[name])
+
+
+def attribution() -> str:
+    """The text of ``ATTRIBUTION.md`` (sources, licences, citations).
+
+    >>> "CC-BY-4.0" in attribution(), "Apache License 2.0" in attribution()
+    (True, True)
     """
     return resources.files(__name__).joinpath("ATTRIBUTION.md").read_text(encoding="utf-8")
+
+
+def mooncake_license() -> str:
+    """The Apache License 2.0 text the Mooncake traces ship under.
+
+    >>> mooncake_license().split()[:3]
+    ['Apache', 'License', 'Version']
+    """
+    path = resources.files(__name__).joinpath("mooncake_LICENSE-APACHE.txt")
+    return path.read_text(encoding="utf-8")

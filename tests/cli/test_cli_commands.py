@@ -10,19 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kvfunc.cli import main
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_run import run_main  # the helper beside this file
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Run ``kvfunc argv`` in-process; returns (exit code, stdout, stderr)."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def simulate_json(capsys: pytest.CaptureFixture[str], tmp_path: Path, *argv: str

@@ -130,7 +130,8 @@ def test_overrides_change_block_size_and_dtype() -> None:
 
 @pytest.mark.parametrize(("options", "needle"), [
     ({"next_n": 1}, "has no multi-token-prediction layers"),
-    ({"block_size": 0}, "--block-size must be a positive integer"),
+    ({"block_size": 0}, "--block-size must be an integer from 1 to 16,777,216, got 0"),
+    ({"next_n": 17}, "--mtp must be an integer from 0 to 16, got 17"),
     ({"kv_dtype": "float128"}, "--kv-dtype 'float128' is not a dtype"),
 ])
 def test_bad_preset_options_are_cli_errors(options: dict[str, object], needle: str) -> None:

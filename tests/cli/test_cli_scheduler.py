@@ -76,7 +76,8 @@ def test_unknown_trace_name_lists_the_choices(tmp_path: Path) -> None:
     """A name that is neither a trace nor a CSV path says what is accepted."""
     with pytest.raises(CLIError) as info:
         load_trace("chat")
-    assert "use code, conv, synthetic or the path of a .csv file" in str(info.value)
+    assert ("use code, conv, mooncake-conversation, mooncake-synthetic, synthetic, or the path "
+            "of a .csv or .jsonl file") in str(info.value)
 
 
 def test_two_requests_prefill_then_decode() -> None:
