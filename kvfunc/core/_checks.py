@@ -30,36 +30,55 @@ MAX_NUM_BLOCKS = 1 << 24
 _EXCERPT = 60
 
 
-def excerpt(value: object, limit: int = _EXCERPT) -> str:
-    """A short ``repr`` of ``value``: at most about ``limit`` characters, built cheaply.
+def excerpt(value: object, limit: int = _EXCERPT, depth: int = 2) -> str:
+    """A short ``repr`` of ``value``: about ``limit`` characters at most, built cheaply.
 
-    Strings and bytes are cut before they are rendered, containers show their
-    first items, anything else is rendered and cut.
+    Strings and bytes are cut before they are rendered; containers show
+    their first items, themselves shortened (nested ``depth`` levels deep at
+    most); anything else is rendered and cut.
 
     >>> excerpt("x" * 1000)
     "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (1000 chars)"
     >>> excerpt(list(range(100)))
     '[0, 1, 2, 3, 4, 5, 6, 7, ...] (100 items)'
-    >>> excerpt(3.5)
-    '3.5'
+    >>> excerpt([["y" * 500]]), excerpt(3.5)
+    ("[['yyyyyyyyyyyyyyyyyyyy'... (500 chars)]]", '3.5')
     """
     if isinstance(value, str | bytes | bytearray | memoryview):
         if len(value) <= limit:
             return repr(value)
         unit = "chars" if isinstance(value, str) else "bytes"
         return f"{value[:limit]!r}... ({len(value)} {unit})"
-    if isinstance(value, list | tuple | set | frozenset | dict) and len(value) > 8:
-        head: list[object] = list(value)[:8]
-        inner = ", ".join(excerpt(v, 20) for v in head)
-        if isinstance(value, dict):
-            inner = ", ".join(f"{excerpt(k, 20)}: {excerpt(value[k], 20)}" for k in head)
-        brackets = {list: ("[", "]"), tuple: ("(", ")")}.get(type(value), ("{", "}"))
-        return f"{brackets[0]}{inner}, ...{brackets[1]} ({len(value)} items)"
+    if type(value) in _BRACKETS:
+        return _container(value, depth)  # type: ignore[arg-type]
     try:
         text = repr(value)
     except Exception:  # a hostile __repr__: say what it is instead
         return f"<{type(value).__name__}>"
     return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__})"
+
+
+_BRACKETS = {list: "[]", tuple: "()", set: "{}", frozenset: "{}", dict: "{}"}
+
+
+def _container(value: list[object] | tuple[object, ...] | set[object] | dict[object, object],
+               depth: int) -> str:
+    left, right = _BRACKETS[type(value)]
+    if depth <= 0:
+        return f"{left}...{right} ({len(value)} items)"
+    head: list[object] = []
+    for item in value:  # the first few only: a huge container is never copied
+        if len(head) == 8:
+            break
+        head.append(item)
+    if isinstance(value, dict):
+        inner = ", ".join(f"{excerpt(k, 20, depth - 1)}: {excerpt(value[k], 20, depth - 1)}"
+                          for k in head)
+    else:
+        inner = ", ".join(excerpt(v, 20, depth - 1) for v in head)
+    if len(value) > 8:
+        return f"{left}{inner}, ...{right} ({len(value)} items)"
+    return f"{left}{inner}{right}"
 
 
 def is_request_id(value: object) -> bool:

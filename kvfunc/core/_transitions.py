@@ -119,6 +119,9 @@ def allocate_batch(state: KVState, requests: Iterable[Any], *, lookahead_tokens:
     if block_hashes is not None and not isinstance(block_hashes, Mapping):
         msg = f"block_hashes must be a mapping of request ids, got {type(block_hashes).__name__}"
         raise InvalidTypeError(msg)
+    if not isinstance(requests, Iterable):
+        msg = f"requests must be an iterable of step entries, got {type(requests).__name__}"
+        raise InvalidTypeError(msg)
     sink = DeltaBuilder()
     tr = Transient(state, sink)
     refused = fold(tr, requests, block_hashes, lookahead_tokens)

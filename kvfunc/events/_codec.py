@@ -32,6 +32,7 @@ from typing import Any
 import msgpack
 
 from kvfunc.core import InvalidArgumentError, InvalidTypeError
+from kvfunc.core._internal import excerpt
 from kvfunc.events._events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -86,7 +87,7 @@ def encode_event_batch(batch: KVEventBatch) -> bytes:
         raise InvalidTypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
     events = [_event_array(e) for e in batch.events]
     if isinstance(batch.ts, bool) or not isinstance(batch.ts, int | float):
-        raise InvalidTypeError(f"ts must be a float, got {batch.ts!r}")
+        raise InvalidTypeError(f"ts must be a float, got {excerpt(batch.ts)}")
     body = [float(batch.ts), events, batch.data_parallel_rank]
     try:
         return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
@@ -103,19 +104,19 @@ def _fail(msg: str) -> InvalidArgumentError:
 def _int(v: Any, what: str, *, minimum: int | None = None) -> int:
     if type(v) is not int or (minimum is not None and v < minimum):
         raise _fail(f"{what} must be an int{'' if minimum is None else f' >= {minimum}'}, "
-                    f"got {v!r}")
+                    f"got {excerpt(v)}")
     return v
 
 
 def _opt(v: Any, kind: type, what: str) -> Any:
     if v is not None and type(v) is not kind:
-        raise _fail(f"{what} must be a {kind.__name__} or nil, got {v!r}")
+        raise _fail(f"{what} must be a {kind.__name__} or nil, got {excerpt(v)}")
     return v
 
 
 def _list(v: Any, what: str) -> list[Any]:
     if type(v) is not list:
-        raise _fail(f"{what} must be an array, got {v!r}")
+        raise _fail(f"{what} must be an array, got {excerpt(v)}")
     return v
 
 
@@ -150,7 +151,7 @@ def _block_ids(v: Any, n: int, tag: str) -> tuple[int, ...] | None:
 
 def _event(arr: Any) -> KVCacheEvent:
     if type(arr) is not list or not arr or type(arr[0]) is not str:
-        raise _fail(f"an event must be an array starting with its tag, got {arr!r}")
+        raise _fail(f"an event must be an array starting with its tag, got {excerpt(arr)}")
     tag = arr[0]
     if tag == "BlockStored":
         hashes_, parent, tokens, size, lora, medium, group, ids = _fields(
@@ -175,7 +176,7 @@ def _event(arr: Any) -> KVCacheEvent:
         if not all(type(g) is str for g in items):
             raise _fail("AllBlocksCleared.groups must be an array of str")
         return AllBlocksCleared(tuple(items))
-    raise _fail(f"unknown event tag {tag!r}")
+    raise _fail(f"unknown event tag {excerpt(tag)}")
 
 
 def decode_event_batch(data: bytes | bytearray | memoryview) -> KVEventBatch:
@@ -204,10 +205,11 @@ def decode_event_batch(data: bytes | bytearray | memoryview) -> KVEventBatch:
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise _fail(f"{type(exc).__name__}: {exc}") from None
     if type(obj) is not list or len(obj) < 2:
-        raise _fail(f"a batch must be an array [ts, events, data_parallel_rank?], got {obj!r}")
+        msg = f"a batch must be an array [ts, events, data_parallel_rank?], got {excerpt(obj)}"
+        raise _fail(msg)
     ts, events = obj[0], obj[1]
     rank = obj[2] if len(obj) > 2 else None
     if type(ts) not in (float, int):
-        raise _fail(f"ts must be a float, got {ts!r}")
+        raise _fail(f"ts must be a float, got {excerpt(ts)}")
     rank = None if rank is None else _int(rank, "data_parallel_rank")
     return KVEventBatch(float(ts), tuple(_event(e) for e in _list(events, "events")), rank)

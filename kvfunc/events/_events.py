@@ -42,6 +42,7 @@ from kvfunc.core import (
     MissingKeyError,
     Stored,
 )
+from kvfunc.core._internal import excerpt
 
 __all__ = ["MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent",
            "KVEventBatch", "events_from_delta"]
@@ -145,7 +146,7 @@ def _block_sizes(layout: Mapping[str, int] | KVState) -> Mapping[str, int]:
     if isinstance(layout, KVState):
         return {g.key: g.policy.block_size for g in layout.groups}
     if not isinstance(layout, Mapping):
-        msg = f"block_sizes must be a KVState or a mapping of block sizes, got {layout!r}"
+        msg = f"block_sizes must be a KVState or a mapping of block sizes, got {excerpt(layout)}"
         raise InvalidTypeError(msg)
     return layout
 
@@ -154,9 +155,10 @@ def _block_size(sizes: Mapping[str, int], key: str) -> int:
     try:
         size = sizes[key]
     except KeyError:
-        raise MissingKeyError(f"no block size for group {key!r}") from None
+        raise MissingKeyError(f"no block size for group {excerpt(key)}") from None
     if type(size) is not int or size <= 0:
-        raise InvalidArgumentError(f"block size of {key!r} must be a positive int, got {size!r}")
+        msg = f"block size of {excerpt(key)} must be a positive int, got {excerpt(size)}"
+        raise InvalidArgumentError(msg)
     return size
 
 

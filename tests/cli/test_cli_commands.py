@@ -169,6 +169,38 @@ def test_replay_fails_on_a_corrupted_log(capsys: pytest.CaptureFixture[str], tmp
                                    needle in err)
 
 
+def test_replay_blames_the_line_where_the_log_and_the_state_part_ways(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A delta that frees one block twice fails at its own line, not at a later one."""
+    simulate_json(capsys, tmp_path, "--requests", "60", "--no-plot")
+    path = tmp_path / "run.jsonl"
+    lines = path.read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if '"freed_block_ids"' in line)
+    record = json.loads(lines[i])
+    delta = record["delta"]
+    delta["freed_block_ids"].append(delta["freed_block_ids"][0])
+    delta["freed_keys"].append(delta["freed_keys"][0])
+    delta["order"] += "F"
+    lines[i] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    code, _, err = run_main(capsys, "replay", str(path))
+    assert (1, True) == (code, f"delta at line {i + 1} " in err), err
+
+
+def test_replay_checks_the_step_numbers(capsys: pytest.CaptureFixture[str],
+                                        tmp_path: Path) -> None:
+    """A step number that goes back, or is not a non-negative int, is a malformed log."""
+    simulate_json(capsys, tmp_path, "--requests", "60", "--no-plot")
+    path = tmp_path / "run.jsonl"
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[3])
+    record["step"] = -1
+    lines[3] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    code, _, err = run_main(capsys, "replay", str(path))
+    assert (2, True) == (code, "line 4" in err and "never decrease" in err), err
+
+
 def test_replay_of_a_truncated_log_exits_2(capsys: pytest.CaptureFixture[str],
                                            tmp_path: Path) -> None:
     """A log cut short (no final record) is bad input, not a mismatch."""
