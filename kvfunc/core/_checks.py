@@ -58,7 +58,8 @@ def excerpt(value: object, limit: int = _EXCERPT, depth: int = 2) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__})"
 
 
-_BRACKETS = {list: "[]", tuple: "()", set: "{}", frozenset: "{}", dict: "{}"}
+_BRACKETS: dict[type, tuple[str, str]] = {
+    list: ("[", "]"), tuple: ("(", ")"), set: ("{", "}"), frozenset: ("{", "}"), dict: ("{", "}")}
 
 
 def _container(value: list[object] | tuple[object, ...] | set[object] | dict[object, object],
