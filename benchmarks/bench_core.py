@@ -16,7 +16,10 @@ The same trace is replayed through these paths:
 * (a) ``kvfunc.compat.KVCacheManager``: one ``allocate_slots`` per request
   per step, ``free`` per finished request;
 * (b) the pure core: ``kf.free_request`` per finished request, then one
-  ``kf.allocate_batch`` per step over ``SlotRequest``s built in the timed loop;
+  ``kf.allocate_batch`` per step over the documented natural form, plain
+  tuples ``(request_id, computed, new)`` built in the timed loop; for
+  information, the same with ``SlotRequest``s, and the same steps as one
+  ``kf.allocate_slots`` per request;
 * (c) a naive mutable allocator (dict of lists, ``deque`` free queue per
   group), once per call and batched per step: the floor.
 

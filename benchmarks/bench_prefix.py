@@ -18,14 +18,18 @@ appends each decode token and drops the list when the request ends.
 
 * caching off (a plain state, counts only, as an engine without caching
   calls the core): ``allocate_slots`` per call, or ``allocate_batch`` per
-  step over ``SlotRequest``s built in the timed loop;
+  step over plain tuples built in the timed loop;
 * caching on, for ``sha256`` and ``xxh3_128``, the engine's whole work:
   ``BlockHashes.of`` of each admitted prompt, ``lookup_prefix`` and the
-  admission with the hit, one ``BlockHashes.update`` per decode token,
-  ``block_hashes`` on every call, the frees;
+  admission with the hit (a ``SlotRequest``), ``BlockHashes.update`` when a
+  decode token fills a block (hashing it once), plain tuples for decodes
+  with the step's ``block_hashes`` mapping (``block_hashes=`` per call on the
+  per-call lane), the frees;
 
-each per step (one ``allocate_batch``: the target, all steps) and per call
-(one ``allocate_slots`` per request: information, the first 128 steps).
+each per step (one ``allocate_batch``: the target, all steps), per call (one
+``allocate_slots`` per request: information, the first 128 steps) and on
+decode-only steps (every request of the fill decodes, nothing is admitted or
+freed: ``allocate_batch``, the decode target).
 
 Lanes are timed in interleaved segments of steps (the order rotates), with
 the garbage collector off, and medians of the rounds are reported; the

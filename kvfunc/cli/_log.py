@@ -2,7 +2,7 @@
 
 A log is plain JSON, one object per line (no pickle, nothing executable)::
 
-    {"kvfunc_delta_log": 1, "delta_version": 1, "max_model_len": 8192,
+    {"kvfunc_delta_log": 1, "delta_version": 2, "max_model_len": 8192,
      "groups": [{"key": "FullAttention", "policy": "FullAttention",
                  "params": {"num_blocks": 1024, "block_size": 16, "compress_ratio": 1}}],
      "meta": {...}}                                         <- header: the initial state

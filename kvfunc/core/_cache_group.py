@@ -243,43 +243,56 @@ class CachingGroupCopy(GroupCopy):
 
     def cache_block(self, b: int, block_hash: bytes) -> None:
         """Cache block ``b`` under ``block_hash`` (no delta row: the caller records it)."""
-        self.writing()
-        self.hash_of[b] = block_hash
-        index = self.index
-        have = index.get(block_hash)
-        if have is None:  # atomic: a sibling transition may add this hash meanwhile
-            have = index.setdefault(block_hash, [b])
-        if have[-1] != b and b not in have:
-            have.append(b)
-            if len(have) > _LONG:  # a long list: rebuild the index if it is mostly stale
-                valid = sum(1 for x in have if self.hash_of[x] == block_hash)
-                if len(have) > 2 * valid + _LONG:
-                    self.candidates = self._limit() + 1
-        self.num_cached += 1
-        self.candidates += 1
+        self.cache_blocks((b,), (block_hash,))
+
+    def cache_blocks(self, blocks: Sequence[int], block_hashes: Sequence[bytes]) -> None:
+        """Cache each block under its hash (a run of a prefill, or one block)."""
+        if not self.writable:
+            self.writing()
+        hash_of, index = self.hash_of, self.index
+        get = index.get
+        for b, h in zip(blocks, block_hashes, strict=True):
+            hash_of[b] = h
+            have = get(h)
+            if have is None:  # atomic: a sibling transition may add this hash meanwhile
+                have = index.setdefault(h, [b])
+            if have[-1] != b and b not in have:
+                have.append(b)
+                if len(have) > _LONG:  # a long list: rebuild the index if it is mostly stale
+                    valid = sum(1 for x in have if hash_of[x] == h)
+                    if len(have) > 2 * valid + _LONG:
+                        self.candidates = self._limit() + 1
+        self.num_cached += len(blocks)
+        self.candidates += len(blocks)
 
     def store(self, request_id: int | str, row: Row, upto: int, hashes: Any) -> Row:
-        """Cache the row's full blocks from ``max(stored, nulls)`` to ``upto - 1``."""
+        """Cache the row's full blocks from ``max(stored, nulls)`` to ``upto - 1``.
+
+        ``hashes`` covers them (the caller checked); a block already cached
+        (one this request shares) is passed over.
+        """
         p = row.stored if row.stored > row.nulls else row.nulls
         if p >= upto:
             return row
-        self.writing()
-        ids, hash_of, sink, key = row.ids, self.hash_of, self.sink, self.key
-        m = self.block_size // hashes.block_size
-        digests = hashes._digests
-        tokens = hashes.token_ids_by_block(p, upto, self.block_size) if sink is not None else ()
-        for i, q in enumerate(range(p, upto)):
-            b = ids[q]
-            if hash_of[b] is not None:  # cached already (a block this request shares)
-                continue
-            h = digests[(q + 1) * m - 1]
-            self.cache_block(b, h)
-            if sink is not None:
-                parent = digests[q * m - 1] if q else None
-                sink.stored.append((key, request_id, q, b, h, parent, tokens[i]))
-                sink.order.append("T")
-        stored = upto
-        return _new(Row, (ids, row.length, row.nulls, max(row.shared, stored), stored))
+        ids, hash_of, bs = row.ids, self.hash_of, self.block_size
+        m = bs // hashes.block_size
+        digests, tokens = hashes._digests, hashes._tokens  # the value owns what ``upto`` reads
+        if upto == p + 1:  # one block filled: the decode step
+            run = [p] if hash_of[ids[p]] is None else []
+        else:
+            run = [q for q in range(p, upto) if hash_of[ids[q]] is None]  # shared: cached
+        blocks = [ids[q] for q in run]
+        new = [digests[(q + 1) * m - 1] for q in run]
+        self.cache_blocks(blocks, new)
+        sink = self.sink
+        if sink is not None and run:
+            key = self.key
+            sink.stored.extend([
+                (key, request_id, q, b, h, digests[q * m - 1] if q else None,
+                 tuple(tokens[q * bs:(q + 1) * bs])) for q, b, h in zip(run, blocks, new,
+                                                                         strict=True)])
+            sink.order.append("T" * len(run))
+        return _new(Row, (ids, row.length, row.nulls, max(row.shared, upto), upto))
 
     def save_state(self, request_id: int | str, row: Row, index: int, hashes: Any) -> None:
         """Copy the request's state into a free block cached under hash ``index`` (once)."""

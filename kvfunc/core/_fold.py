@@ -23,7 +23,7 @@ entries for which the step does nothing, and the benchmark lane
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id, excerpt
@@ -31,7 +31,7 @@ from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
 from kvfunc.core._group import Transient
 from kvfunc.core._hashing import BlockHashes
 from kvfunc.core._prefix import check_hashes, check_hit
-from kvfunc.core._step import step
+from kvfunc.core._step import cache_step, step
 
 __all__ = ["SlotRequest", "check_lookahead", "fold", "quiet_lane", "slot_entry"]
 
@@ -124,22 +124,44 @@ def _negative_total(total: int, keys: frozenset[str] | None, tr: Transient) -> N
         raise InvalidArgumentError(f"num_tokens must be non-negative, got {total}")
 
 
-def _grow(tr: Transient, slot: int, request_id: int | str,
-          grows: list[tuple[int, Any, int]]) -> bool:
-    """Append the new blocks of a request that only grows, if every group has them (else False)."""
+def _apply_lane(tr: Transient, slot: int, request_id: int | str,
+                actions: list[tuple[int, Any, int, bool]], computed: int, written: int,
+                hashes: Any) -> bool:
+    """Grow and cache as the step would for an entry on the lane; False if a pool lacks room.
+
+    ``actions`` holds, per group that is not quiet, ``(index, row, new blocks, fills)``:
+    the step would append the new blocks, then cache the blocks the step fills.
+    """
     copies = []
-    for i, row, need in grows:
+    for i, row, need, fills in actions:
         g = tr.copies[i] or tr.copy(i)
         if need > g.count:
             return False  # the step refuses it (or recycles first): let it
-        copies.append((g, row, need))
-    for g, row, need in copies:
-        g.rows[slot] = g.grow(request_id, row, need)  # the row exists: a plain rebind
+        copies.append((g, row, need, fills))
+    for g, row, need, fills in copies:
+        if need:
+            row = g.rows[slot] = g.grow(request_id, row, need)  # the row exists: a rebind
+        if fills and hashes is not None:
+            cache_step(g, slot, request_id, row, computed, written, hashes)
     return True
 
 
+def _hashes_of(tr: Transient, request_id: int | str, hashes: Any, block_hashes: Any,
+               hit: Any, keys: Any, computed: int, checked: set[int]) -> Any:
+    """The entry's hashes (its own, or the step's mapping's), checked; a hit is checked too."""
+    if hashes is None and block_hashes is not None and tr.caching:
+        hashes = block_hashes.get(request_id)
+    if hit is not None or (hashes is not None and (type(hashes) is not BlockHashes
+                                                   or hashes.block_size not in checked)):
+        check_hashes(tr, hashes, hit is not None)  # hashes is a BlockHashes from here on
+        if hit is not None:
+            check_hit(tr, request_id, computed, keys, hashes, hit)
+        checked.add(hashes.block_size)
+    return hashes
+
+
 def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] | None = None,
-         lookahead: int = 0) -> list[int | str]:
+         lookahead: int = 0) -> Sequence[int | str]:
     """Run the step for every entry in order on ``tr``; the refused request ids.
 
     A bad entry raises a typed error (the caller discards ``tr``).
@@ -147,14 +169,14 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
     (read only for entries that need them); ``lookahead`` applies to
     3-tuples.
     """
-    refused: list[int | str] = []
+    refused: list[int | str] | None = None
     limit = tr.max_model_len
     get_slot = tr.slots.slots.get
     caching = tr.caching
     lane = tr.lane
     if lane is None:
         lane = quiet_lane(tr)
-    checked: set[int] | None = None  # hash block sizes checked against every group
+    checked = tr.checked  # hash block sizes checked against every group
     for e in entries:
         if type(e) is tuple and len(e) == 3:  # the natural form, checked inline
             rid, computed, new = e
@@ -174,11 +196,13 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                 total = 0
         if total > limit or written > limit:
             computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
-        if lane is not None and (extra is None or not (reserved or keys is not None
-                                                       or hit is not None)):
+        if extra is None:
+            reserved, keys, hashes, hit = 0, None, None, None
+        if lane is not None and not (reserved or keys is not None or hit is not None):
             slot = get_slot(rid)
             if slot is not None:
-                grows = None
+                actions = None
+                filled = False
                 for i, rows, bs, w1 in lane:  # the lane (see the module docstring)
                     try:
                         row = rows[slot]
@@ -188,35 +212,39 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                         break
                     length = row[1]
                     if w1 is not None and (computed - w1) // bs > row[2] < length:
-                        break  # a block slid out of the window
-                    if caching and ((total and computed // bs < row[3])
-                                    or (written // bs > row[4] and written // bs > row[2])):
-                        break  # a write into a shared block, or a full block to cache
+                        break  # a block slid out of the window: the step recycles it
+                    fills = False
+                    if caching:
+                        if total and computed // bs < row[3]:
+                            break  # a write into a block others may hold: copy-on-write
+                        fills = written // bs > row[4] and written // bs > row[2]
                     if total > length * bs:  # grows by ceil(total / bs) - length blocks
                         if not length:
                             break  # a first allocation
-                        if grows is None:
-                            grows = []
-                        grows.append((i, row, (total + bs - 1) // bs - length))
+                        if actions is None:
+                            actions = []
+                        actions.append((i, row, (total + bs - 1) // bs - length, fills))
+                    elif fills:
+                        if actions is None:
+                            actions = []
+                        actions.append((i, row, 0, True))
+                    if fills:
+                        filled = True
                 else:
-                    if grows is None or _grow(tr, slot, rid, grows):
+                    if actions is None:
+                        continue  # quiet in every group
+                    if filled:
+                        hashes = _hashes_of(tr, rid, hashes, block_hashes, None, None,
+                                            computed, checked)
+                    if _apply_lane(tr, slot, rid, actions, computed, written, hashes):
                         if tr.lane is None:
                             lane = quiet_lane(tr)  # a working copy was made: its rows moved
                         continue
-        if extra is None:
-            reserved, keys, hashes, hit = 0, None, None, None
-        if hashes is None and block_hashes is not None and caching:
-            hashes = block_hashes.get(rid)
-        if hit is not None or (hashes is not None and (
-                type(hashes) is not BlockHashes or checked is None
-                or hashes.block_size not in checked)):
-            check_hashes(tr, hashes, hit is not None)  # hashes is a BlockHashes from here on
-            if hit is not None:
-                check_hit(tr, rid, computed, keys, hashes, hit)
-            checked = checked or set()
-            checked.add(hashes.block_size)
+        hashes = _hashes_of(tr, rid, hashes, block_hashes, hit, keys, computed, checked)
         if not step(tr, rid, computed, written, total, reserved, keys, hashes, hit):
+            if refused is None:
+                refused = []
             refused.append(rid)
         if lane is not None and tr.lane is None:
             lane = quiet_lane(tr)  # a group's working copy was made: its rows moved
-    return refused
+    return refused or ()

@@ -198,7 +198,8 @@ class Transient:
     :meth:`copy` makes its working copy.
     """
 
-    __slots__ = ("caching", "copies", "lane", "max_model_len", "sink", "slots", "src", "views")
+    __slots__ = ("caching", "checked", "copies", "lane", "max_model_len", "sink", "slots", "src",
+                 "views")
 
     def __init__(self, state: KVState, sink: DeltaBuilder | None = None) -> None:
         self.src = state
@@ -210,6 +211,7 @@ class Transient:
         self.copies: list[GroupCopy | None] = [None] * len(groups)
         self.slots: SlotMap = groups[0].slots if groups else SlotMap()
         self.lane: Any = state.memo.get("lane")  # the fold's lane over the state's rows
+        self.checked: set[int] = set()  # hash block sizes the fold checked against the groups
 
     def copy(self, i: int) -> GroupCopy:
         """The working copy of group ``i`` (made on first use)."""

@@ -29,7 +29,9 @@ hashlib) is the cryptographic alternative.
 
 A :class:`BlockHashes` is a value: :meth:`BlockHashes.update` returns a new
 one with the blocks that became full, and returns ``self`` when none did,
-so calling it every step costs one comparison between block boundaries.
+so it can be called after every token at the cost of one comparison; an
+engine that calls it only when a block fills (``len(tokens) % block_size``)
+hashes each block once and does nothing per token otherwise.
 Successive values of one request share two append-only lists (digests and
 token ids); a value owns their first ``num_blocks`` entries and never reads
 past them, and ``update`` appends in place only when nothing was appended
@@ -125,6 +127,32 @@ def _pack(token_ids: Sequence[int]) -> bytes:
         bad = next((t for t in token_ids if not _is_int64(t)), None)
         msg = f"token ids must be ints in the int64 range, got {bad!r}"
         raise InvalidTypeError(msg) from None
+
+
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+_new_hashes = object.__new__
+
+
+def _packer(block_size: int) -> Callable[..., bytes]:
+    """``struct.pack`` for one block of ``block_size`` tokens (compiled once per size)."""
+    packer = _PACKERS[block_size] = struct.Struct(f"<{block_size}q").pack
+    return packer
+
+
+def _chain(hash_fn: str, ctor: Callable[[bytes], Any] | None, parent: bytes, data: bytes,
+           width: int) -> list[bytes]:
+    """The chained digests of the ``width``-byte blocks of ``data``, from ``parent``."""
+    out = []
+    if ctor is not None:
+        for i in range(0, len(data), width):
+            parent = ctor(parent + data[i:i + width]).digest()
+            out.append(parent)
+    else:
+        fn = hash_function(hash_fn)
+        for i in range(0, len(data), width):
+            parent = fn(parent + data[i:i + width])
+            out.append(parent)
+    return out
 
 
 def _is_int64(value: object) -> bool:
@@ -289,23 +317,20 @@ class BlockHashes:
         """
         if len(token_ids) < self._end:  # no new full block: the common decode step
             return self
-        bs, n = self.block_size, self.num_blocks
+        bs, n, hash_fn = self.block_size, self.num_blocks, self.hash_fn
         full = len(token_ids) // bs
         fresh = token_ids[n * bs:full * bs]
-        data = _pack(fresh)
         parent = self._digests[n - 1] if n else self.root
-        width = 8 * bs
-        out = []
-        ctor = _CONSTRUCTORS.get(self.hash_fn)
-        if ctor is not None:
-            for i in range(0, len(data), width):
-                parent = ctor(parent + data[i:i + width]).digest()
-                out.append(parent)
+        ctor = _CONSTRUCTORS.get(hash_fn)
+        if full == n + 1 and ctor is not None:  # one block filled: the decode step
+            packer = _PACKERS.get(bs) or _packer(bs)
+            try:
+                out = [ctor(parent + packer(*fresh)).digest()]
+            except struct.error:
+                _pack(fresh)  # raises the precise error
+                raise
         else:
-            fn = hash_function(self.hash_fn)
-            for i in range(0, len(data), width):
-                parent = fn(parent + data[i:i + width])
-                out.append(parent)
+            out = _chain(hash_fn, ctor, parent, _pack(fresh), 8 * bs)
         digests, tokens = self._digests, self._tokens
         with _APPEND:
             if len(digests) == n:  # nothing appended after our entries: extend in place
@@ -315,7 +340,15 @@ class BlockHashes:
         if out is not None:  # another value of the lineage went on: copy our entries
             digests, tokens = digests[:n] + out, tokens[:n * bs]
             tokens.extend(fresh)
-        return BlockHashes._make(bs, self.hash_fn, self.root, digests, tokens, full)
+        value = _new_hashes(BlockHashes)
+        _set(value, "block_size", bs)
+        _set(value, "hash_fn", hash_fn)
+        _set(value, "root", self.root)
+        _set(value, "num_blocks", full)
+        _set(value, "_digests", digests)
+        _set(value, "_tokens", tokens)
+        _set(value, "_end", (full + 1) * bs)
+        return value
 
     def parent_hash(self, index: int) -> BlockHash | None:
         """The hash block ``index`` chains from (``None`` for the first block)."""

@@ -14,9 +14,10 @@ per block.
 are copied into plain lists (``dirty``) on first write and frozen back into
 the vector once, by :meth:`RingCopy.frozen`.
 
-With prefix caching (``_cache``) the same ring holds the free blocks in LRU
-order and may hold *stale* entries (a prefix hit took a free block out of
-the middle); the caching pool skips them when it pops.
+With prefix caching (``_cache``) the ring holds the free blocks that hold a
+cached block, least recently freed first (the uncached ones wait on a stack
+and go first), and may hold *stale* entries (a prefix hit took a free block
+out of the middle); the caching pool skips them when it pops.
 """
 
 from __future__ import annotations
