@@ -322,6 +322,17 @@ def batch_slot_requests_replay(state: kf.KVState, steps: Sequence[Step]) -> kf.K
     return state
 
 
+def batch_no_lane_replay(state: kf.KVState, steps: Sequence[Step]) -> kf.KVState:
+    """(b) with the fold's lane turned off: every entry through the general step."""
+    import kvfunc.core._fold as fold
+
+    lane, fold.quiet_lane = fold.quiet_lane, lambda tr: None  # type: ignore[assignment]
+    try:
+        return batch_replay(state, steps)
+    finally:
+        fold.quiet_lane = lane
+
+
 def slots_replay(state: kf.KVState, steps: Sequence[Step]) -> kf.KVState:
     """The same steps as per-request ``allocate_slots`` calls on the pure API."""
     allocate_slots, free_request = kf.allocate_slots, kf.free_request
@@ -377,6 +388,8 @@ PATHS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any], Callable[[An
                state_snapshot),
     "b_call": ("    (b) as allocate_slots per request", batch_setup, slots_replay,
                state_snapshot),
+    "b_nolane": ("    (b) without the fold's lane", batch_setup, batch_no_lane_replay,
+                 state_snapshot),
 }
 
 
@@ -584,11 +597,16 @@ def bench_timing(s: Settings, fill: Sequence[Alloc], steps: Sequence[Step],
                                                             strict=True))
         ratio_call = statistics.median(b / c for b, c in zip(times["b"], times["b_call"],
                                                                strict=True))
+        lane_gain = 1 - statistics.median(b / c for b, c in zip(times["b"], times["b_nolane"],
+                                                                  strict=True))
         ok_a = per_call["a"] <= TARGET_COMPAT * REF_SEED[config]
         ok_b = ratio_b <= TARGET_BATCH_RATIO[config]
         ok_call = ratio_call <= TARGET_BATCH_PER_CALL
         print(f"ratio (a)/(c per call) = {ratio_a:.2f}x   ratio (b)/(c batched) = {ratio_b:.2f}x"
               f"   ratio (b)/(b per request) = {ratio_call:.2f}x (medians of per-run ratios)")
+        print(f"the fold's lane earns {lane_gain:.0%} of (b) (without it: every entry through "
+              f"the general step; a fast path stays only if it earns >= 20%): "
+              f"{_verdict(lane_gain >= 0.2)}")
         print(f"reference (2-core machine, elsewhere, same trace): seed mutable "
               f"{REF_SEED[config]:.2f} µs/call, vLLM 0.33 {REF_VLLM[config]:.2f} µs/call, "
               f"naive {REF_NAIVE_CALL:.2f} µs/call, {REF_NAIVE_STEP:.0f} µs/batched step")
@@ -609,7 +627,8 @@ def bench_timing(s: Settings, fill: Sequence[Alloc], steps: Sequence[Step],
         out["timing"][config] = {
             "pools": {k: pools[k] for k, _ in windows}, "runs_ns": times,
             "us_per_call": per_call, "us_per_step": per_step, "ratio_a_c_call": ratio_a,
-            "ratio_b_c_batch": ratio_b, "ratio_b_b_call": ratio_call, "target_a": ok_a,
+            "ratio_b_c_batch": ratio_b, "ratio_b_b_call": ratio_call, "lane_gain": lane_gain,
+            "target_a": ok_a,
             "target_b": ok_b, "target_b_call": ok_call,
             "us_per_call_gc_enabled": gc_call}
         out["cross_check"][config] = checks

@@ -47,12 +47,29 @@ parallel columns, and an ``order`` that names each row exactly once.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, overload
+from typing import Any, ClassVar, Generic, TypeVar, overload
 
 import attrs
 
 from kvfunc.core._checks import excerpt
 from kvfunc.core._errors import ReplayMismatchError
+from kvfunc.core._ops import (
+    COLUMNS,
+    FAMILIES,
+    RECORDS,
+    Appended,
+    Cleared,
+    Copied,
+    Evicted,
+    Freed,
+    LookedUp,
+    Nulled,
+    Operation,
+    Registered,
+    Released,
+    Shared,
+    Stored,
+)
 
 __all__ = [
     "COLUMN_NAMES", "COPY_INTO_NEW", "COPY_SAVED", "DELTA_VERSION", "EMPTY_DELTA", "FAMILIES",
@@ -66,121 +83,6 @@ COPY_INTO_NEW = -1
 COPY_SAVED = -2
 
 _EMPTY: tuple[Any, ...] = ()
-
-
-class Registered(NamedTuple):
-    """The request got an empty table in the group."""
-
-    key: str
-    request_id: int | str
-
-
-class Released(NamedTuple):
-    """The request's table was dropped (its blocks are freed by the Freed rows after it)."""
-
-    key: str
-    request_id: int | str
-
-
-class Nulled(NamedTuple):
-    """A table position slid out of the window and became a null entry."""
-
-    key: str
-    request_id: int | str
-    position: int
-
-
-class Freed(NamedTuple):
-    """A block nobody holds any more went back to the free queue."""
-
-    key: str
-    block_id: int
-
-
-class Appended(NamedTuple):
-    """A table entry was added: 0 is a null entry, any other block came from the free queue."""
-
-    key: str
-    request_id: int | str
-    block_id: int
-
-
-class Shared(NamedTuple):
-    """A table entry referencing a block already held or cached (a prefix hit, a fork)."""
-
-    key: str
-    request_id: int | str
-    block_id: int
-
-
-class Copied(NamedTuple):
-    """The shell copies ``src_block_id`` into ``dst_block_id`` (see the module docstring)."""
-
-    key: str
-    request_id: int | str
-    position: int
-    src_block_id: int
-    dst_block_id: int
-
-
-class Stored(NamedTuple):
-    """A full block was cached under ``block_hash`` (``position`` -2: a saved state)."""
-
-    key: str
-    request_id: int | str
-    position: int
-    block_id: int
-    block_hash: bytes
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-
-
-class Evicted(NamedTuple):
-    """A cached free block was handed out again: its hash is forgotten."""
-
-    key: str
-    block_id: int
-    block_hash: bytes
-
-
-class Cleared(NamedTuple):
-    """The group's whole prefix cache was reset."""
-
-    key: str
-
-
-class LookedUp(NamedTuple):
-    """An admission asked the prefix cache: tokens hit and tokens looked up."""
-
-    request_id: int | str
-    tokens: int
-    query_tokens: int
-
-
-Operation = (Registered | Released | Nulled | Freed | Appended | Shared | Copied | Stored
-             | Evicted | Cleared | LookedUp)
-
-#: ``(code, family prefix, record type)`` in field order; the columns of a family are
-#: ``f"{prefix}_{name}"`` for the record's fields, pluralised.
-FAMILIES: tuple[tuple[str, str, type[Any]], ...] = (
-    ("R", "registered", Registered), ("L", "released", Released), ("N", "nulled", Nulled),
-    ("F", "freed", Freed), ("A", "appended", Appended), ("S", "shared", Shared),
-    ("C", "copied", Copied), ("T", "stored", Stored), ("E", "evicted", Evicted),
-    ("Z", "cleared", Cleared), ("H", "hit", LookedUp),
-)
-
-_PLURAL = {"key": "keys", "request_id": "request_ids", "position": "positions",
-           "block_id": "block_ids", "src_block_id": "src_block_ids",
-           "dst_block_id": "dst_block_ids", "block_hash": "hashes", "parent_hash": "parent_hashes",
-           "token_ids": "token_ids", "tokens": "tokens", "query_tokens": "query_tokens"}
-
-
-def _columns(prefix: str, record: type[Any]) -> tuple[str, ...]:
-    return tuple(f"{prefix}_{_PLURAL[f]}" for f in record._fields)
-
-
-COLUMNS: dict[str, tuple[str, ...]] = {c: _columns(prefix, rec) for c, prefix, rec in FAMILIES}
-_RECORDS = {code: rec for code, _, rec in FAMILIES}
 
 
 def _codes(value: Any) -> Any:
@@ -343,7 +245,7 @@ class BlocksChanged:
         for code in self.order:
             i = cursor[code]
             cursor[code] = i + 1
-            yield new(_RECORDS[code], rows[code][i])
+            yield new(RECORDS[code], rows[code][i])
 
     def new_block_ids(self, key: str) -> tuple[int, ...]:
         """Blocks taken from ``key``'s free queue for table entries, in order (for zeroing).

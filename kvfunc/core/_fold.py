@@ -92,8 +92,9 @@ def quiet_lane(tr: Transient) -> Lane | None:
     return lane
 
 
-def _entry(e: Any, lookahead: int) -> tuple[Any, ...]:
-    """Any entry as its eight fields, each checked (``_fold`` inlines the 3-tuple case)."""
+def _entry(e: Any, lookahead: int, tr: Transient) -> tuple[Any, ...]:
+    """Any entry, each field checked: ``(rid, computed, written, total, reserved, keys,
+    hashes, hit)`` (the fold checks the plain 3-tuple inline, and calls this to raise)."""
     if not isinstance(e, tuple) or not 3 <= len(e) <= 8:
         msg = (f"a step entry must be a tuple (request_id, computed_tokens, num_new_tokens) or "
                f"a SlotRequest, got {excerpt(e)}")
@@ -107,7 +108,13 @@ def _entry(e: Any, lookahead: int) -> tuple[Any, ...]:
     check_count("num_new_tokens", new)
     check_lookahead(la)
     check_count("reserved_tokens", reserved)
-    return rid, computed, new, la, reserved, check_manager_keys(keys), hashes, hit
+    keys = check_manager_keys(keys)
+    total = computed + new + la
+    if total < 0:  # a negative lookahead
+        if keys is None or any(v.key in keys for v in tr.views):
+            raise InvalidArgumentError(f"num_tokens must be non-negative, got {total}")
+        total = 0
+    return rid, computed, computed + new, total, reserved, keys, hashes, hit
 
 
 def check_lookahead(value: object) -> int:
@@ -118,26 +125,25 @@ def check_lookahead(value: object) -> int:
     return value
 
 
-def _negative_total(total: int, keys: frozenset[str] | None, tr: Transient) -> None:
-    """A negative token total (a negative lookahead) is an error where a group is selected."""
-    if keys is None or any(v.key in keys for v in tr.views):
-        raise InvalidArgumentError(f"num_tokens must be non-negative, got {total}")
-
-
 def _apply_lane(tr: Transient, slot: int, request_id: int | str,
                 actions: list[tuple[int, Any, int, bool]], computed: int, written: int,
-                hashes: Any) -> bool:
+                hashes: Any, block_hashes: Any) -> bool:
     """Grow and cache as the step would for an entry on the lane; False if a pool lacks room.
 
     ``actions`` holds, per group that is not quiet, ``(index, row, new blocks, fills)``:
     the step would append the new blocks, then cache the blocks the step fills.
     """
     copies = []
+    fills_any = False
     for i, row, need, fills in actions:
         g = tr.copies[i] or tr.copy(i)
         if need > g.count:
             return False  # the step refuses it (or recycles first): let it
         copies.append((g, row, need, fills))
+        fills_any = fills_any or fills
+    if fills_any:
+        hashes = _hashes_of(tr, request_id, hashes, block_hashes, None, None, computed,
+                            tr.checked)
     for g, row, need, fills in copies:
         if need:
             row = g.rows[slot] = g.grow(request_id, row, need)  # the row exists: a rebind
@@ -164,51 +170,36 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
          lookahead: int = 0) -> Sequence[int | str]:
     """Run the step for every entry in order on ``tr``; the refused request ids.
 
-    A bad entry raises a typed error (the caller discards ``tr``).
-    ``block_hashes`` maps request ids to their :class:`~kvfunc.BlockHashes`
-    (read only for entries that need them); ``lookahead`` applies to
-    3-tuples.
+    A bad entry raises a typed error (the caller discards ``tr``); ``block_hashes``
+    maps request ids to their hashes; ``lookahead`` applies to plain 3-tuples.
     """
     refused: list[int | str] | None = None
-    limit = tr.max_model_len
-    get_slot = tr.slots.slots.get
-    caching = tr.caching
-    lane = tr.lane
-    if lane is None:
-        lane = quiet_lane(tr)
-    checked = tr.checked  # hash block sizes checked against every group
+    limit, get_slot, caching, checked = tr.max_model_len, tr.slots.slots.get, tr.caching, tr.checked
+    lane = tr.lane if tr.lane is not None else quiet_lane(tr)
     for e in entries:
         if type(e) is tuple and len(e) == 3:  # the natural form, checked inline
             rid, computed, new = e
             t = type(rid)
             if ((t is not str and t is not int) or type(computed) is not int
                     or type(new) is not int or (computed | new) < 0):
-                _entry(e, lookahead)  # raises the precise error
+                _entry(e, lookahead, tr)  # raises the precise error
             written = computed + new
             total = written + lookahead
-            extra = None
+            reserved, keys, hashes, hit = 0, None, None, None
         else:
-            rid, computed, new, la, reserved, keys, hashes, hit = extra = _entry(e, lookahead)
-            written = computed + new
-            total = written + la
-            if total < 0:
-                _negative_total(total, keys, tr)
-                total = 0
+            rid, computed, written, total, reserved, keys, hashes, hit = _entry(e, lookahead, tr)
         if total > limit or written > limit:
             computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
-        if extra is None:
-            reserved, keys, hashes, hit = 0, None, None, None
         if lane is not None and not (reserved or keys is not None or hit is not None):
             slot = get_slot(rid)
             if slot is not None:
                 actions = None
-                filled = False
                 for i, rows, bs, w1 in lane:  # the lane (see the module docstring)
                     try:
                         row = rows[slot]
                     except IndexError:  # a slot past the vector: not registered here
                         break
-                    if row is None:
+                    if row is None or (total and not row[1]):  # not registered, or a first fill
                         break
                     length = row[1]
                     if w1 is not None and (computed - w1) // bs > row[2] < length:
@@ -218,33 +209,18 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                         if total and computed // bs < row[3]:
                             break  # a write into a block others may hold: copy-on-write
                         fills = written // bs > row[4] and written // bs > row[2]
-                    if total > length * bs:  # grows by ceil(total / bs) - length blocks
-                        if not length:
-                            break  # a first allocation
-                        if actions is None:
-                            actions = []
-                        actions.append((i, row, (total + bs - 1) // bs - length, fills))
-                    elif fills:
-                        if actions is None:
-                            actions = []
-                        actions.append((i, row, 0, True))
-                    if fills:
-                        filled = True
+                    need = (total + bs - 1) // bs - length if total > length * bs else 0
+                    if need or fills:
+                        actions = actions or []
+                        actions.append((i, row, need, fills))
                 else:
-                    if actions is None:
-                        continue  # quiet in every group
-                    if filled:
-                        hashes = _hashes_of(tr, rid, hashes, block_hashes, None, None,
-                                            computed, checked)
-                    if _apply_lane(tr, slot, rid, actions, computed, written, hashes):
-                        if tr.lane is None:
-                            lane = quiet_lane(tr)  # a working copy was made: its rows moved
+                    if actions is None or _apply_lane(tr, slot, rid, actions, computed, written,
+                                                      hashes, block_hashes):
+                        lane = tr.lane if tr.lane is not None else quiet_lane(tr)
                         continue
         hashes = _hashes_of(tr, rid, hashes, block_hashes, hit, keys, computed, checked)
         if not step(tr, rid, computed, written, total, reserved, keys, hashes, hit):
-            if refused is None:
-                refused = []
+            refused = refused or []
             refused.append(rid)
-        if lane is not None and tr.lane is None:
-            lane = quiet_lane(tr)  # a group's working copy was made: its rows moved
+        lane = tr.lane if tr.lane is not None or lane is None else quiet_lane(tr)
     return refused or ()

@@ -246,7 +246,7 @@ class Transient:
         live = 0
         for group in groups:
             live = group.num_rows if group.num_rows > live else live
-        if len(self.slots) > 2 * live + 64:  # mostly ids of finished requests: a fresh map
+        if len(self.slots) > live + live // 4 + 64:  # mostly finished requests: a fresh map
             groups = reslot(groups)
             for i, group in enumerate(groups):  # the copies now edit the fresh rows
                 copy = self.copies[i]

@@ -33,12 +33,12 @@ decode step reads no per-block vector:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from kvfunc.core._errors import InvalidArgumentError
 
-__all__ = ["EMPTY_ROW", "Row", "SlotMap", "extend_row", "replace_entry", "row_table"]
+__all__ = ["EMPTY_ROW", "Row", "SlotMap", "TablesView", "extend_row", "replace_entry", "row_table"]
 
 NULL = 0
 _new = tuple.__new__
@@ -158,3 +158,41 @@ class SlotMap:
 
     def __repr__(self) -> str:
         return f"SlotMap({len(self.slots)} ids)"
+
+
+class TablesView(Mapping[int | str, tuple[int, ...]]):
+    """A group's block tables as a read-only mapping (built on access; not the hot path)."""
+
+    __slots__ = ("_rows", "_slots")
+
+    def __init__(self, rows: Any, slots: SlotMap) -> None:
+        self._rows = rows
+        self._slots = slots
+
+    def _row(self, request_id: object) -> Row | None:
+        slot = self._slots.slots.get(request_id)  # type: ignore[call-overload]
+        if slot is None or slot >= len(self._rows):
+            return None
+        row: Row | None = self._rows[slot]
+        return row
+
+    def __getitem__(self, request_id: int | str) -> tuple[int, ...]:
+        row = self._row(request_id)
+        if row is None:
+            raise KeyError(request_id)
+        return row_table(row)
+
+    def __contains__(self, request_id: object) -> bool:
+        return self._row(request_id) is not None
+
+    def __iter__(self) -> Iterator[int | str]:
+        rows, n = self._rows, len(self._rows)
+        for rid, slot in list(self._slots.slots.items()):
+            if slot < n and rows[slot] is not None:
+                yield rid
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"TablesView({dict(self)!r})"

@@ -33,7 +33,7 @@ from kvfunc.core._checks import MAX_NUM_BLOCKS, excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, UnknownRequestError
 from kvfunc.core._policy import Policy, policies_by_key, policy_class
 from kvfunc.core._pool import FREE_CHUNK, new_ring, ring_entries
-from kvfunc.core._rows import Row, SlotMap, row_table
+from kvfunc.core._rows import Row, SlotMap, TablesView, row_table
 
 __all__ = [
     "NULL_BLOCK", "BlockId", "FrozenDict", "GroupState", "KVState", "RequestId",
@@ -80,44 +80,6 @@ class FrozenDict(dict[_K, _V]):
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(frozenset(self.items()))
-
-
-class TablesView(Mapping[RequestId, tuple[BlockId, ...]]):
-    """A group's block tables as a read-only mapping (built on access; not the hot path)."""
-
-    __slots__ = ("_rows", "_slots")
-
-    def __init__(self, rows: Any, slots: SlotMap) -> None:
-        self._rows = rows
-        self._slots = slots
-
-    def _row(self, request_id: object) -> Row | None:
-        slot = self._slots.slots.get(request_id)  # type: ignore[call-overload]
-        if slot is None or slot >= len(self._rows):
-            return None
-        row: Row | None = self._rows[slot]
-        return row
-
-    def __getitem__(self, request_id: RequestId) -> tuple[BlockId, ...]:
-        row = self._row(request_id)
-        if row is None:
-            raise KeyError(request_id)
-        return row_table(row)
-
-    def __contains__(self, request_id: object) -> bool:
-        return self._row(request_id) is not None
-
-    def __iter__(self) -> Iterator[RequestId]:
-        rows, n = self._rows, len(self._rows)
-        for rid, slot in list(self._slots.slots.items()):
-            if slot < n and rows[slot] is not None:
-                yield rid
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __repr__(self) -> str:
-        return f"TablesView({dict(self)!r})"
 
 
 @attrs.frozen(slots=True, eq=False, repr=False)
