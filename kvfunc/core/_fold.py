@@ -109,12 +109,15 @@ def _entry(e: Any, lookahead: int, tr: Transient) -> tuple[Any, ...]:
     check_lookahead(la)
     check_count("reserved_tokens", reserved)
     keys = check_manager_keys(keys)
-    total = computed + new + la
+    written, total = computed + new, computed + new + la
     if total < 0:  # a negative lookahead
         if keys is None or any(v.key in keys for v in tr.views):
             raise InvalidArgumentError(f"num_tokens must be non-negative, got {total}")
         total = 0
-    return rid, computed, computed + new, total, reserved, keys, hashes, hit
+    limit = tr.max_model_len
+    if total > limit or written > limit:
+        computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
+    return rid, computed, written, total, reserved, keys, hashes, hit
 
 
 def check_lookahead(value: object) -> int:
@@ -168,29 +171,28 @@ def _hashes_of(tr: Transient, request_id: int | str, hashes: Any, block_hashes: 
 
 def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] | None = None,
          lookahead: int = 0) -> Sequence[int | str]:
-    """Run the step for every entry in order on ``tr``; the refused request ids.
-
-    A bad entry raises a typed error (the caller discards ``tr``); ``block_hashes``
-    maps request ids to their hashes; ``lookahead`` applies to plain 3-tuples.
-    """
+    """Run the step for every entry in order on ``tr``; the refused request ids (see above)."""
     refused: list[int | str] | None = None
     limit, get_slot, caching, checked = tr.max_model_len, tr.slots.slots.get, tr.caching, tr.checked
     lane = tr.lane if tr.lane is not None else quiet_lane(tr)
+    inline = lookahead >= 0  # then a plain entry's total passes the limit when its written does
     for e in entries:
-        if type(e) is tuple and len(e) == 3:  # the natural form, checked inline
+        if inline and type(e) is tuple and len(e) == 3:  # the natural form, checked here
             rid, computed, new = e
             t = type(rid)
-            if ((t is not str and t is not int) or type(computed) is not int
+            if ((t is not int and t is not str) or type(computed) is not int
                     or type(new) is not int or (computed | new) < 0):
                 _entry(e, lookahead, tr)  # raises the precise error
             written = computed + new
             total = written + lookahead
-            reserved, keys, hashes, hit = 0, None, None, None
+            if total > limit:
+                computed, written, total = min(computed, limit), min(written, limit), limit
+            fields = None
         else:
-            rid, computed, written, total, reserved, keys, hashes, hit = _entry(e, lookahead, tr)
-        if total > limit or written > limit:
-            computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
-        if lane is not None and not (reserved or keys is not None or hit is not None):
+            fields = _entry(e, lookahead, tr)
+            rid, computed, written, total = fields[:4]
+        if lane is not None and (fields is None or not (fields[4] or fields[5] is not None
+                                                        or fields[7] is not None)):
             slot = get_slot(rid)
             if slot is not None:
                 actions = None
@@ -199,9 +201,8 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                         row = rows[slot]
                     except IndexError:  # a slot past the vector: not registered here
                         break
-                    if row is None or (total and not row[1]):  # not registered, or a first fill
-                        break
-                    length = row[1]
+                    if row is None or (not (length := row[1]) and total):
+                        break  # not registered here, or its first allocation
                     if w1 is not None and (computed - w1) // bs > row[2] < length:
                         break  # a block slid out of the window: the step recycles it
                     fills = False
@@ -209,15 +210,18 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                         if total and computed // bs < row[3]:
                             break  # a write into a block others may hold: copy-on-write
                         fills = written // bs > row[4] and written // bs > row[2]
-                    need = (total + bs - 1) // bs - length if total > length * bs else 0
-                    if need or fills:
+                    if total > length * bs or fills:  # grows, or fills a block to cache
+                        need = (total + bs - 1) // bs - length if total > length * bs else 0
                         actions = actions or []
                         actions.append((i, row, need, fills))
                 else:
-                    if actions is None or _apply_lane(tr, slot, rid, actions, computed, written,
-                                                      hashes, block_hashes):
+                    if actions is None:
+                        continue  # quiet in every group
+                    if _apply_lane(tr, slot, rid, actions, computed, written,
+                                   None if fields is None else fields[6], block_hashes):
                         lane = tr.lane if tr.lane is not None else quiet_lane(tr)
                         continue
+        reserved, keys, hashes, hit = (0, None, None, None) if fields is None else fields[4:]
         hashes = _hashes_of(tr, rid, hashes, block_hashes, hit, keys, computed, checked)
         if not step(tr, rid, computed, written, total, reserved, keys, hashes, hit):
             refused = refused or []
