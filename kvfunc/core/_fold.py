@@ -173,7 +173,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
          lookahead: int = 0) -> Sequence[int | str]:
     """Run the step for every entry in order on ``tr``; the refused request ids (see above)."""
     refused: list[int | str] | None = None
-    limit, get_slot, caching, checked = tr.max_model_len, tr.slots.slots.get, tr.caching, tr.checked
+    limit, slots, caching = tr.max_model_len, tr.slots.slots, tr.caching
     lane = tr.lane if tr.lane is not None else quiet_lane(tr)
     inline = lookahead >= 0  # then a plain entry's total passes the limit when its written does
     for e in entries:
@@ -193,7 +193,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
             rid, computed, written, total = fields[:4]
         if lane is not None and (fields is None or not (fields[4] or fields[5] is not None
                                                         or fields[7] is not None)):
-            slot = get_slot(rid)
+            slot = slots.get(rid)
             if slot is not None:
                 actions = None
                 for i, rows, bs, w1 in lane:  # the lane (see the module docstring)
@@ -222,7 +222,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                         lane = tr.lane if tr.lane is not None else quiet_lane(tr)
                         continue
         reserved, keys, hashes, hit = (0, None, None, None) if fields is None else fields[4:]
-        hashes = _hashes_of(tr, rid, hashes, block_hashes, hit, keys, computed, checked)
+        hashes = _hashes_of(tr, rid, hashes, block_hashes, hit, keys, computed, tr.checked)
         if not step(tr, rid, computed, written, total, reserved, keys, hashes, hit):
             refused = refused or []
             refused.append(rid)
