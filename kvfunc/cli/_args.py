@@ -10,13 +10,17 @@ from typing import NoReturn
 from kvfunc import __version__
 from kvfunc.cli._presets import preset_names
 
-__all__ = ["SIMULATE_DEFAULTS", "SIMULATE_MEMORY", "build_parser", "join_negative_values"]
+__all__ = ["SIMULATE_DEFAULTS", "SIMULATE_MEMORY", "SIMULATE_TRACE_MEMORY", "build_parser",
+           "join_negative_values"]
 
 #: What ``kvfunc simulate`` runs with no arguments: a deliberately small cache,
 #: so that the replayed sample shows admission stalls and preemption.
 SIMULATE_DEFAULTS = {"preset": "gpt-oss-120b", "trace": "conv", "memory": "2.5GiB"}
 #: ``--memory`` when it is not given, for presets that need more than the default.
 SIMULATE_MEMORY = {"qwen3-next-80b": "12GiB"}
+#: ``--memory`` when it is not given, for built-in traces whose prompts need more (the
+#: Mooncake prompts average about 10,000 tokens); the larger of this and the preset's wins.
+SIMULATE_TRACE_MEMORY = {"mooncake-conversation": "24GiB", "mooncake-synthetic": "24GiB"}
 
 _NEGATIVE = re.compile(r"-\.?[0-9]")
 
@@ -144,8 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                     f"--trace {SIMULATE_DEFAULTS['trace']} (the first 3,000 requests of the "
                     "Azure LLM inference trace 2023, CC-BY-4.0).")
     memory_by_preset = ", ".join(f"{size} for {name}" for name, size in SIMULATE_MEMORY.items())
+    memory_by_trace = ", ".join(f"{size} on --trace {name}"
+                                for name, size in SIMULATE_TRACE_MEMORY.items())
     _model_args(sim, memory_help=f" (default {SIMULATE_DEFAULTS['memory']}; "
-                                 f"{memory_by_preset}, whose state caches need more)")
+                                 f"{memory_by_preset}, whose state caches need more; "
+                                 f"{memory_by_trace}, whose prompts are long; the larger "
+                                 "of these)")
     _simulate_args(sim)
     rep = sub.add_parser(
         "replay", help="replay a delta log and verify its final state",

@@ -17,7 +17,13 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvfunc.cli._args import SIMULATE_DEFAULTS, SIMULATE_MEMORY, build_parser, join_negative_values
+from kvfunc.cli._args import (
+    SIMULATE_DEFAULTS,
+    SIMULATE_MEMORY,
+    SIMULATE_TRACE_MEMORY,
+    build_parser,
+    join_negative_values,
+)
 from kvfunc.cli._custom import load_model_file
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import check_writable
@@ -55,8 +61,13 @@ def _model(args: argparse.Namespace, default_preset: str | None) -> ModelPreset:
 
 
 def _budget(args: argparse.Namespace, model: ModelPreset) -> Budget:
-    memory = args.memory or SIMULATE_MEMORY.get(model.name, SIMULATE_DEFAULTS["memory"])
-    return Budget(parse_bytes(memory, what="--memory"), args.mem_fraction,
+    if args.memory:
+        memory = parse_bytes(args.memory, what="--memory")
+    else:  # the largest default that applies (a plan has no trace)
+        defaults = [SIMULATE_DEFAULTS["memory"], SIMULATE_MEMORY.get(model.name, "0"),
+                    SIMULATE_TRACE_MEMORY.get(getattr(args, "trace", None) or "", "0")]
+        memory = max(parse_bytes(size, what="--memory") for size in defaults)
+    return Budget(memory, args.mem_fraction,
                   parse_bytes(args.used_memory, what="--used-memory"),
                   parse_bytes(args.extra_reserved, what="--extra-reserved"))
 

@@ -44,6 +44,22 @@ def test_every_preset_simulates_at_its_default_memory(capsys: pytest.CaptureFixt
     assert json.loads(out)["served"] + json.loads(out)["rejected"] == 30
 
 
+@pytest.mark.parametrize(("argv", "gib"), [
+    (("--trace", "conv"), 2.5),
+    (("--trace", "mooncake-conversation"), 24),
+    (("--trace", "mooncake-synthetic", "--preset", "qwen3-next-80b"), 24),
+    (("--trace", "synthetic", "--preset", "qwen3-next-80b"), 12),
+    (("--trace", "mooncake-conversation", "--memory", "3GiB"), 3),
+])
+def test_default_memory_is_the_largest_that_applies(capsys: pytest.CaptureFixture[str],
+                                                    argv: tuple[str, ...], gib: float) -> None:
+    """Without --memory a Mooncake trace gets 24 GiB (its prompts are long), a preset that
+    needs more gets its own, the larger wins; --memory always wins."""
+    code, out, err = run_main(capsys, "simulate", *argv, "--requests", "2", "--no-plot",
+                              "--json")
+    assert (0, "", int(gib * 2**30)) == (code, err, json.loads(out)["memory_bytes"])
+
+
 def test_help_says_what_memory_a_preset_needs(capsys: pytest.CaptureFixture[str]) -> None:
     """simulate --help names the larger default and the model that needs it."""
     code, out, _ = run_main(capsys, "simulate", "--help")
