@@ -149,7 +149,14 @@ def free_into(tr: Transient, request_id: RequestId, keys: frozenset[str] | None)
 
 def free_request(state: KVState, request_id: RequestId, *,
                  manager_keys: Collection[str] | None = None) -> tuple[KVState, BlocksChanged]:
-    """Return every block of a request to its pool (see :func:`free_into` for the order).
+    """Return every block of a request to its pool.
+
+    Without prefix caching the blocks go to the tail of the free queue in
+    logical order (the seed's). With it, the blocks are released last block
+    first: those that hold nothing cached go onto a stack that is handed out
+    before any cached block (the most recently freed first), and cached
+    blocks go to the tail of the eviction queue, so that a prefix's tail is
+    evicted before its head.
 
     Freeing an unknown or already freed request changes nothing.
 
