@@ -27,6 +27,7 @@ device transport (nccl, hccl) instead.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,8 +55,12 @@ def row_runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def row_buffers(tensor: torch.Tensor, runs: Sequence[tuple[int, int]]) -> Buffers:
+def row_buffers(tensor: torch.Tensor, runs: Sequence[tuple[int, int]],
+                slices: dict[int, list[slice]] | None = None) -> Buffers:
     """Byte views of ``tensor``'s row runs (shared memory, not copies).
+
+    ``slices`` keeps the byte ranges of the runs per row size, for the
+    next tensor of the same transfer.
 
     >>> t = torch.arange(6, dtype=torch.int8).view(3, 2)
     >>> [bytes(b) for b in row_buffers(t, [(2, 1), (0, 1)])]
@@ -67,13 +72,21 @@ def row_buffers(tensor: torch.Tensor, runs: Sequence[tuple[int, int]]) -> Buffer
             "a device cache moves over nccl or hccl (llm.TransferBackend)")
     flat = memoryview(rows_as_bytes(tensor).reshape(-1))  # type: ignore[arg-type]
     size = flat.nbytes // max(tensor.shape[0], 1)
-    return [flat[first * size:(first + count) * size] for first, count in runs]
+    cut = None if slices is None else slices.get(size)
+    if cut is None:
+        cut = [slice(first * size, (first + count) * size) for first, count in runs]
+        if slices is not None:
+            slices[size] = cut
+    return list(map(flat.__getitem__, cut))
 
 
 def _frames(tensors: Sequence[torch.Tensor], rows: Sequence[int],
             layers: Sequence[Sequence[int]]) -> list[Buffers]:
+    """Per layer, the byte views of its tensors' rows: one per run, tensor after tensor."""
     runs = row_runs(rows)
-    return [[b for i in layer for b in row_buffers(tensors[i], runs)] for layer in layers]
+    slices: dict[int, list[slice]] = {}  # the tensors of a cache share one row size
+    return [list(itertools.chain.from_iterable(row_buffers(tensors[i], runs, slices)
+                                               for i in layer)) for layer in layers]
 
 
 class _Outgoing(Outgoing):
@@ -94,7 +107,7 @@ class _Outgoing(Outgoing):
             j, self.next = self.next, self.next + 1
             frame = self.frames[j]
             last = self.next == len(self.layers) and self.on_copied is not None
-            self.conn.send(data_header(self.tag, j, sum(b.nbytes for b in frame)), frame,
+            self.conn.send(data_header(self.tag, j, sum(map(len, frame))), frame,
                            self.conn.timeout_s, before_tail=self.on_copied if last else None)
 
     def wait(self, timeout_s: float) -> None:

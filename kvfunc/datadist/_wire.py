@@ -98,14 +98,19 @@ def _timeval(seconds: float) -> bytes:
 
 def _consume(bufs: Buffers, i: int, nbytes: int) -> int:
     """Mark ``nbytes`` of ``bufs[i:]`` done (a partial one is cut in place); the index of
-    the first buffer with bytes left.
+    the first buffer with bytes left.  The buffers are byte views (``len`` is their size).
 
     >>> bufs = [memoryview(b"ab"), memoryview(b"cde"), memoryview(b"")]
     >>> _consume(bufs, 0, 3), bytes(bufs[1])
     (1, b'de')
     >>> _consume(bufs, 1, 2)
     3
+    >>> _consume([memoryview(b"ab"), memoryview(b"c")], 0, 3)
+    2
     """
+    end = min(i + _IOV, len(bufs))
+    if nbytes == sum(map(len, bufs[i:end])):  # the whole window went: the common case
+        i, nbytes = end, 0
     while nbytes:
         size = bufs[i].nbytes
         if nbytes >= size:
@@ -365,9 +370,12 @@ class Connection:
             self._posted.pop(tid, None)
 
     # -- sending -------------------------------------------------------------------------
-    def send(self, header: bytes, buffers: Sequence[memoryview | bytes], timeout_s: float,
+    def send(self, header: bytes, buffers: Sequence[memoryview], timeout_s: float,
              *, before_tail: Callable[[], None] | None = None) -> None:
         """Send one frame within ``timeout_s``; ``before_tail`` runs before its last bytes go.
+
+        ``buffers`` are one-dimensional byte views (format ``B``), sent as
+        they lie.
 
         The last bytes are copied first, so ``before_tail`` may release what
         ``buffers`` view, and the peer cannot have the whole frame before it ran.
@@ -378,7 +386,7 @@ class Connection:
             LinkFailedError: the connection is closed or failed.
         """
         deadline = time.monotonic() + timeout_s
-        parts = [memoryview(header)] + [memoryview(b).cast("B") for b in buffers]
+        parts = [memoryview(header), *buffers]
         tail: list[memoryview] = []
         if before_tail is not None:
             keep = min(64, parts[-1].nbytes)
@@ -421,7 +429,7 @@ class Connection:
     def send_control(self, message: dict[str, Any], timeout_s: float | None = None) -> None:
         """Send one control message (within the link's timeout unless told)."""
         payload = encode(message)
-        self.send(HEADER.pack(MAGIC, CONTROL, 0, 0, len(payload)), [payload],
+        self.send(HEADER.pack(MAGIC, CONTROL, 0, 0, len(payload)), [memoryview(payload)],
                   self.timeout_s if timeout_s is None else timeout_s)
 
     def put(self, key: str, message: dict[str, Any]) -> None:
