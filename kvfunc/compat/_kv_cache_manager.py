@@ -98,16 +98,17 @@ class KVCacheManager:
         Counts must be non-negative ints (not bools, not None); a bad argument
         raises a typed error and changes nothing.
         """
+        if (manager_keys is None and type(lookahead_tokens) is int
+                and type(reserved_tokens) is int and not reserved_tokens and not self._abstract):
+            # the plain form, with the step's lookahead: the fold checks the rest
+            return not fold(self._store.tr, ((request_id, computed_tokens, num_new_tokens),),
+                            None, lookahead_tokens)
         if self._abstract:
             keys = check_manager_keys(manager_keys)
             if any(keys is None or k in keys for k in self._abstract):
                 raise NotSupportedError("Subclasses must implement get_num_skipped_tokens")
-        if (manager_keys is None and not (lookahead_tokens or reserved_tokens)
-                and type(lookahead_tokens) is int is type(reserved_tokens)):
-            entry: tuple[Any, ...] = (request_id, computed_tokens, num_new_tokens)  # plain form
-        else:  # checked by the fold
-            entry = slot_entry(request_id, computed_tokens, num_new_tokens, lookahead_tokens,
-                               reserved_tokens, manager_keys)
+        entry = slot_entry(request_id, computed_tokens, num_new_tokens, lookahead_tokens,
+                           reserved_tokens, manager_keys)  # checked by the fold
         return not fold(self._store.tr, (entry,))
 
     def free(self, request_id: Any) -> None:
