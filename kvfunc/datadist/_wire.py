@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import socket
 import struct
 import threading
@@ -75,6 +76,8 @@ LEAVE_S = 10.0  # a shut-down reader leaves a receive's buffers within microseco
 _IOV = 1024  # buffers per sendmsg / recvmsg_into call (Linux's IOV_MAX)
 
 Buffers = list[memoryview]
+_NBYTES = operator.attrgetter("nbytes")
+_SHAPE = operator.attrgetter("format", "ndim")
 
 
 def data_header(tid: int, index: int, nbytes: int) -> bytes:
@@ -98,7 +101,7 @@ def _timeval(seconds: float) -> bytes:
 
 def _consume(bufs: Buffers, i: int, nbytes: int) -> int:
     """Mark ``nbytes`` of ``bufs[i:]`` done (a partial one is cut in place); the index of
-    the first buffer with bytes left.  The buffers are byte views (``len`` is their size).
+    the first buffer with bytes left.  The buffers are flat byte views.
 
     >>> bufs = [memoryview(b"ab"), memoryview(b"cde"), memoryview(b"")]
     >>> _consume(bufs, 0, 3), bytes(bufs[1])
@@ -109,7 +112,7 @@ def _consume(bufs: Buffers, i: int, nbytes: int) -> int:
     2
     """
     end = min(i + _IOV, len(bufs))
-    if nbytes == sum(map(len, bufs[i:end])):  # the whole window went: the common case
+    if nbytes == sum(map(_NBYTES, bufs[i:end])):  # the whole window went: the common case
         i, nbytes = end, 0
     while nbytes:
         size = bufs[i].nbytes
@@ -374,8 +377,8 @@ class Connection:
              *, before_tail: Callable[[], None] | None = None) -> None:
         """Send one frame within ``timeout_s``; ``before_tail`` runs before its last bytes go.
 
-        ``buffers`` are one-dimensional byte views (format ``B``), sent as
-        they lie.
+        ``buffers`` are sent as they lie (views of other shapes or formats
+        are viewed as flat bytes first).
 
         The last bytes are copied first, so ``before_tail`` may release what
         ``buffers`` view, and the peer cannot have the whole frame before it ran.
@@ -387,6 +390,8 @@ class Connection:
         """
         deadline = time.monotonic() + timeout_s
         parts = [memoryview(header), *buffers]
+        if set(map(_SHAPE, buffers)) - {("B", 1)}:  # not all flat byte views: make them so
+            parts[1:] = [memoryview(b).cast("B") for b in buffers]
         tail: list[memoryview] = []
         if before_tail is not None:
             keep = min(64, parts[-1].nbytes)
