@@ -35,7 +35,7 @@ import torch
 
 from kvfunc.datadist._backends import Endpoint, Incoming, Outgoing, rows_as_bytes
 from kvfunc.datadist._errors import FeatureNotEnabledError
-from kvfunc.datadist._wire import Buffers, Connection, data_header
+from kvfunc.datadist._wire import Buffers, Connection, data_header, frame_bytes
 
 __all__ = ["TcpEndpoint", "row_buffers", "row_runs"]
 
@@ -107,7 +107,7 @@ class _Outgoing(Outgoing):
             j, self.next = self.next, self.next + 1
             frame = self.frames[j]
             last = self.next == len(self.layers) and self.on_copied is not None
-            self.conn.send(data_header(self.tag, j, sum(b.nbytes for b in frame)), frame,
+            self.conn.send(data_header(self.tag, j, frame_bytes(frame)), frame,
                            self.conn.timeout_s, before_tail=self.on_copied if last else None)
 
     def wait(self, timeout_s: float) -> None:

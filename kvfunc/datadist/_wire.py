@@ -63,7 +63,8 @@ from kvfunc.datadist._errors import (
 )
 from kvfunc.datadist._protocol import MAX_MESSAGE_BYTES, decode, encode
 
-__all__ = ["HEADER", "MAGIC", "MAX_UNCLAIMED_BYTES", "Connection", "Receive", "data_header"]
+__all__ = ["HEADER", "MAGIC", "MAX_UNCLAIMED_BYTES", "Connection", "Receive", "data_header",
+           "frame_bytes"]
 
 log = logging.getLogger("kvfunc.datadist")
 HEADER = struct.Struct("<4sB3xQIQ")  # magic, kind, transfer id, frame index, body length
@@ -78,6 +79,15 @@ _IOV = 1024  # buffers per sendmsg / recvmsg_into call (Linux's IOV_MAX)
 Buffers = list[memoryview]
 _NBYTES = operator.attrgetter("nbytes")
 _SHAPE = operator.attrgetter("format", "ndim")
+
+
+def frame_bytes(buffers: Buffers) -> int:
+    """The bytes of a frame's buffers together.
+
+    >>> frame_bytes([memoryview(b"ab"), memoryview(bytearray(3))])
+    5
+    """
+    return sum(map(_NBYTES, buffers))
 
 
 def data_header(tid: int, index: int, nbytes: int) -> bytes:
@@ -112,7 +122,7 @@ def _consume(bufs: Buffers, i: int, nbytes: int) -> int:
     2
     """
     end = min(i + _IOV, len(bufs))
-    if nbytes == sum(map(_NBYTES, bufs[i:end])):  # the whole window went: the common case
+    if nbytes == frame_bytes(bufs[i:end]):  # the whole window went: the common case
         i, nbytes = end, 0
     while nbytes:
         size = bufs[i].nbytes
@@ -140,7 +150,7 @@ class Receive:
     def __init__(self, conn: Connection, tid: int, frames: Sequence[Buffers]) -> None:
         self.conn, self.tid = conn, tid
         self.frames = [list(f) for f in frames]
-        self.lengths = [sum(b.nbytes for b in f) for f in self.frames]
+        self.lengths = [frame_bytes(f) for f in self.frames]
         self.arrived = 0
         self.cancelled = False
         self.lock = threading.Lock()  # held by the reader while it writes the buffers
