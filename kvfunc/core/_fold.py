@@ -88,7 +88,7 @@ def quiet_lane(tr: Transient) -> Lane | None:
                      None if window is None else window - 1))
     tr.lane = lane
     if not any(tr.copies):  # the state's own rows: any transient of it may reuse the lane
-        tr.src.memo["lane"] = lane
+        object.__setattr__(tr.src, "_lane", lane)
     return lane
 
 

@@ -210,7 +210,7 @@ class Transient:
         self.views: list[Any] = list(groups)
         self.copies: list[GroupCopy | None] = [None] * len(groups)
         self.slots: SlotMap = groups[0].slots if groups else SlotMap()
-        self.lane: Any = state.memo.get("lane")  # the fold's lane over the state's rows
+        self.lane: Any = state._lane  # the fold's lane over the state's rows
         self.checked: set[int] = set()  # hash block sizes the fold checked against the groups
 
     def copy(self, i: int) -> GroupCopy:
@@ -258,7 +258,7 @@ class Transient:
         self.src = state = object.__new__(KVState)  # its groups share one slot map: no check
         _set(state, "max_model_len", self.max_model_len)
         _set(state, "groups", groups)
-        _set(state, "memo", {})
+        _set(state, "_lane", None)
         return state
 
 

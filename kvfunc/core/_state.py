@@ -202,8 +202,10 @@ class KVState:
 
     max_model_len: int
     groups: tuple[GroupState, ...]
-    #: derived data that transitions cache on a state (it is immutable, so it stays true)
-    memo: dict[str, Any] = attrs.field(init=False, factory=dict, eq=False, repr=False)
+    #: the fold's lane over this state's rows, cached by the first step run on it (the
+    #: state is immutable, so it stays true); a slot, not a dict: states are kept by the
+    #: thousand
+    _lane: Any = attrs.field(init=False, default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         groups = self.groups
