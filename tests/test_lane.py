@@ -46,9 +46,19 @@ def test_the_lane_equals_the_general_step_on_random_programs(case: tuple[Any, An
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("caching", [False, True])
-def test_the_lane_equals_the_general_step_on_decode_traffic(seed: int, caching: bool) -> None:
+def test_the_lane_equals_the_general_step_on_decode_traffic(
+        seed: int, caching: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps of decodes, growth across block ends, window slides and admissions (with hits
-    and hashes when caching): lane and general step give the same states and deltas."""
+    and hashes when caching): lane and general step give the same states and deltas, and
+    the lane run passes entries over the general step."""
+    stepped = [0, 0]  # general steps run, without and with the lane
+    step_fn = fold_module.step
+
+    def counting(*args: Any) -> bool:
+        stepped[lane] += 1
+        return step_fn(*args)
+
+    monkeypatch.setattr(fold_module, "step", counting)
     rnd = random.Random(seed)
     s0 = kf.KVState.create({"full": kf.FullAttention(num_blocks=96, block_size=4),
                             "swa": kf.SlidingWindow(num_blocks=64, block_size=4,
@@ -96,6 +106,7 @@ def test_the_lane_equals_the_general_step_on_decode_traffic(seed: int, caching: 
             kf.check_invariants(state)
         runs.append((state, log))
     (slow, slow_log), (fast, fast_log) = runs
+    assert stepped[1] < stepped[0], f"the lane took no entry: {stepped}"
     assert fast == slow
     assert fast_log == slow_log
     assert kf.replay(s0, fast_log) == fast

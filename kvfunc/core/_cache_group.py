@@ -27,7 +27,7 @@ from kvfunc.core._cache import GroupCache, index_of, live_ring_ids, valid_blocks
 from kvfunc.core._delta import COPY_SAVED, DeltaBuilder
 from kvfunc.core._group import CACHING_KIND, GroupCopy
 from kvfunc.core._pool import FREE_CHUNK
-from kvfunc.core._rows import Row, extend_row, replace_entry
+from kvfunc.core._rows import Row, extend_row, leading_nulls, replace_entry
 from kvfunc.core._state import GroupState
 
 __all__ = ["CachingGroupCopy"]
@@ -67,7 +67,11 @@ class CachingGroupCopy(GroupCopy):
         self.writable = False
 
     def writing(self) -> None:
-        """Make the per-block vectors editable (once per transition, on the first write)."""
+        """Make the per-block vectors editable (once per transition, on the first write).
+
+        A writable copy counts as changed until it is frozen, so the primitives that call
+        this need not mark it themselves.
+        """
         if not self.writable:
             if len(self.index) > self._limit():  # grown by others: add nothing to it
                 self.index, self.candidates = index_of(self.hash_of), self.num_cached
@@ -177,12 +181,11 @@ class CachingGroupCopy(GroupCopy):
             refs[b] = r
             if not r:
                 freed.append(b)
-        self.changed = True
         self.free(freed)
 
-    def release_row(self, row: Row) -> None:
-        """Free a dropped row's blocks last first: a prefix's tail is evicted before its head."""
-        self.release(row.ids[row.length - 1:row.nulls - 1 if row.nulls else None:-1])
+    def release_order(self, row: Row) -> list[int]:
+        """Last block first: a prefix's tail is evicted before its head."""
+        return row.ids[row.length - 1:row.nulls - 1 if row.nulls else None:-1]
 
     def reclaimable(self, row: Row, upto: int) -> int:
         """Recycled blocks that nobody else holds (they return to the queue)."""
@@ -200,10 +203,7 @@ class CachingGroupCopy(GroupCopy):
         refs, stale, hash_of = self.refs, self.stale, self.hash_of
         sink, key = self.sink, self.key
         n = row.length
-        lead = 0
-        if n == row.nulls:
-            while lead < len(entries) and not entries[lead]:
-                lead += 1
+        lead = leading_nulls(entries) if n == row.nulls else 0
         stored = max(row.stored, row.nulls + lead)
         for p, b in enumerate(entries, n):
             if b:

@@ -145,8 +145,7 @@ def _apply_lane(tr: Transient, slot: int, request_id: int | str,
         copies.append((g, row, need, fills))
         fills_any = fills_any or fills
     if fills_any:
-        hashes = _hashes_of(tr, request_id, hashes, block_hashes, None, None, computed,
-                            tr.checked)
+        hashes = _hashes_of(tr, request_id, hashes, block_hashes, None, None, computed)
     for g, row, need, fills in copies:
         if need:
             row = g.rows[slot] = g.grow(request_id, row, need)  # the row exists: a rebind
@@ -156,16 +155,19 @@ def _apply_lane(tr: Transient, slot: int, request_id: int | str,
 
 
 def _hashes_of(tr: Transient, request_id: int | str, hashes: Any, block_hashes: Any,
-               hit: Any, keys: Any, computed: int, checked: set[int]) -> Any:
-    """The entry's hashes (its own, or the step's mapping's), checked; a hit is checked too."""
+               hit: Any, keys: Any, computed: int) -> Any:
+    """The entry's hashes (its own, or the step's mapping's), checked; a hit is checked too.
+
+    A block size checked once (``tr.checked``) is not checked against the groups again.
+    """
     if hashes is None and block_hashes is not None and tr.caching:
         hashes = block_hashes.get(request_id)
     if hit is not None or (hashes is not None and (type(hashes) is not BlockHashes
-                                                   or hashes.block_size not in checked)):
+                                                   or hashes.block_size not in tr.checked)):
         check_hashes(tr, hashes, hit is not None)  # hashes is a BlockHashes from here on
         if hit is not None:
             check_hit(tr, request_id, computed, keys, hashes, hit)
-        checked.add(hashes.block_size)
+        tr.checked.add(hashes.block_size)
     return hashes
 
 
@@ -222,7 +224,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                         lane = tr.lane if tr.lane is not None else quiet_lane(tr)
                         continue
         reserved, keys, hashes, hit = (0, None, None, None) if fields is None else fields[4:]
-        hashes = _hashes_of(tr, rid, hashes, block_hashes, hit, keys, computed, tr.checked)
+        hashes = _hashes_of(tr, rid, hashes, block_hashes, hit, keys, computed)
         if not step(tr, rid, computed, written, total, reserved, keys, hashes, hit):
             refused = refused or []
             refused.append(rid)

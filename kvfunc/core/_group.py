@@ -26,7 +26,7 @@ from typing import Any
 from kvfunc.core._delta import DeltaBuilder
 from kvfunc.core._policy import Policy
 from kvfunc.core._pool import RingCopy
-from kvfunc.core._rows import EMPTY_ROW, Row, SlotMap, extend_row, row_table
+from kvfunc.core._rows import EMPTY_ROW, Row, SlotMap, extend_row, row_of, row_table
 from kvfunc.core._state import GroupState, KVState, find_group, reslot
 
 __all__ = ["CACHING_KIND", "GroupCopy", "Transient"]
@@ -38,8 +38,8 @@ _set = object.__setattr__
 class GroupCopy:
     """The working copy of one group (see the module docstring)."""
 
-    __slots__ = ("block_size", "changed", "count", "detached", "grows", "key", "may_skip",
-                 "num_rows", "policy", "ring", "rows", "sink", "slots", "src", "window")
+    __slots__ = ("block_size", "changed", "count", "detached", "grows", "key", "num_rows",
+                 "policy", "ring", "rows", "sink", "slots", "src", "window")
 
     caching = False
 
@@ -50,7 +50,6 @@ class GroupCopy:
         self.policy = policy
         self.block_size: int = policy.block_size
         self.window: int | None = policy.window
-        self.may_skip: bool = policy.may_skip
         self.grows: bool = policy.grows_with_tokens
         self.slots: SlotMap = group.slots
         self.rows: Any = group.rows.evolver()  # kept for the copy's life (freezing reuses it)
@@ -127,17 +126,20 @@ class GroupCopy:
 
     def table(self, request_id: int | str) -> tuple[int, ...] | None:
         """The request's block ids (null entries 0), or None when it is not registered here."""
-        slot = self.slots.get(request_id)
-        row = None if slot is None else self.row(slot)
+        row = row_of(self.rows, self.slots, request_id)
         return None if row is None else row_table(row)
 
     def reclaimable(self, row: Row, upto: int) -> int:
         """Blocks that recycling positions ``row.nulls .. upto - 1`` returns to the queue."""
         return upto - row.nulls
 
+    def release_order(self, row: Row) -> list[int]:
+        """A dropped row's blocks in the order they are freed: logical order (the seed's)."""
+        return row.ids[row.nulls:row.length]
+
     def release_row(self, row: Row) -> None:
-        """Free a dropped row's blocks: in logical order (the seed's)."""
-        self.release(row.ids[row.nulls:row.length])
+        """Free a dropped row's blocks (see :meth:`release_order`)."""
+        self.release(self.release_order(row))
 
     def recycle(self, request_id: int | str, row: Row, upto: int) -> Row:
         """Null positions ``row.nulls .. upto - 1`` and free their blocks, highest index first."""
@@ -206,7 +208,7 @@ class Transient:
         self.max_model_len = state.max_model_len
         self.sink = sink
         groups = state.groups
-        self.caching = bool(groups) and groups[0].cache is not None
+        self.caching = state.prefix_caching
         self.views: list[Any] = list(groups)
         self.copies: list[GroupCopy | None] = [None] * len(groups)
         self.slots: SlotMap = groups[0].slots if groups else SlotMap()
@@ -260,5 +262,3 @@ class Transient:
         _set(state, "groups", groups)
         _set(state, "_lane", None)
         return state
-
-

@@ -341,13 +341,7 @@ class BlockHashes:
             digests, tokens = digests[:n] + out, tokens[:n * bs]
             tokens.extend(fresh)
         value = _new_hashes(BlockHashes)
-        _set(value, "block_size", bs)
-        _set(value, "hash_fn", hash_fn)
-        _set(value, "root", self.root)
-        _set(value, "num_blocks", full)
-        _set(value, "_digests", digests)
-        _set(value, "_tokens", tokens)
-        _set(value, "_end", (full + 1) * bs)
+        value._fill(bs, hash_fn, self.root, digests, tokens, full)
         return value
 
     def parent_hash(self, index: int) -> BlockHash | None:

@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 from kvfunc.core._errors import InvalidArgumentError
 
-__all__ = ["EMPTY_ROW", "Row", "SlotMap", "TablesView", "extend_row", "replace_entry", "row_table"]
+__all__ = ["EMPTY_ROW", "Row", "SlotMap", "TablesView", "extend_row", "leading_nulls",
+           "replace_entry", "row_of", "row_table"]
 
 NULL = 0
 _new = tuple.__new__
@@ -67,6 +68,18 @@ def row_table(row: Row) -> tuple[int, ...]:
     if not nulls:
         return tuple(row.ids[:row.length])
     return (NULL,) * nulls + tuple(row.ids[nulls:row.length])
+
+
+def leading_nulls(entries: Sequence[int]) -> int:
+    """How many entries of a table open it as null entries (block 0).
+
+    >>> leading_nulls((0, 0, 5, 0)), leading_nulls(())
+    (2, 0)
+    """
+    n = 0
+    while n < len(entries) and not entries[n]:
+        n += 1
+    return n
 
 
 def extend_row(row: Row, blocks: Sequence[int], nulls: int = 0) -> Row:
@@ -160,6 +173,24 @@ class SlotMap:
         return f"SlotMap({len(self.slots)} ids)"
 
 
+def row_of(rows: Any, slots: SlotMap, request_id: object) -> Row | None:
+    """The row of ``request_id`` in ``rows`` (a vector of rows or its evolver), or None.
+
+    A request without a slot, or whose slot lies past the vector, has no row.
+
+    >>> m = SlotMap()
+    >>> m.slot_of("a")
+    0
+    >>> row_of([Row([4], 1, 0)], m, "a"), row_of([], m, "a"), row_of([Row([4], 1, 0)], m, "b")
+    (Row(ids=[4], length=1, nulls=0, shared=0, stored=0), None, None)
+    """
+    slot = slots.slots.get(request_id)  # type: ignore[call-overload]
+    if slot is None or slot >= len(rows):
+        return None
+    row: Row | None = rows[slot]
+    return row
+
+
 class TablesView(Mapping[int | str, tuple[int, ...]]):
     """A group's block tables as a read-only mapping (built on access; not the hot path)."""
 
@@ -169,21 +200,14 @@ class TablesView(Mapping[int | str, tuple[int, ...]]):
         self._rows = rows
         self._slots = slots
 
-    def _row(self, request_id: object) -> Row | None:
-        slot = self._slots.slots.get(request_id)  # type: ignore[call-overload]
-        if slot is None or slot >= len(self._rows):
-            return None
-        row: Row | None = self._rows[slot]
-        return row
-
     def __getitem__(self, request_id: int | str) -> tuple[int, ...]:
-        row = self._row(request_id)
+        row = row_of(self._rows, self._slots, request_id)
         if row is None:
             raise KeyError(request_id)
         return row_table(row)
 
     def __contains__(self, request_id: object) -> bool:
-        return self._row(request_id) is not None
+        return row_of(self._rows, self._slots, request_id) is not None
 
     def __iter__(self) -> Iterator[int | str]:
         rows, n = self._rows, len(self._rows)

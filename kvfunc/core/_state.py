@@ -33,7 +33,7 @@ from kvfunc.core._checks import MAX_NUM_BLOCKS, excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, UnknownRequestError
 from kvfunc.core._policy import Policy, policies_by_key, policy_class
 from kvfunc.core._pool import FREE_CHUNK, new_ring, ring_entries
-from kvfunc.core._rows import Row, SlotMap, TablesView, row_table
+from kvfunc.core._rows import Row, SlotMap, TablesView, row_of, row_table
 
 __all__ = [
     "NULL_BLOCK", "BlockId", "FrozenDict", "GroupState", "KVState", "RequestId",
@@ -121,11 +121,7 @@ class GroupState:
 
     def row(self, request_id: RequestId) -> Row | None:
         """The request's row, or None when it is not registered here."""
-        slot = self.slots.slots.get(request_id)
-        if slot is None or slot >= len(self.rows):
-            return None
-        row: Row | None = self.rows[slot]
-        return row
+        return row_of(self.rows, self.slots, request_id)
 
     def table(self, request_id: RequestId) -> tuple[BlockId, ...]:
         """The request's block ids in logical order (null entries are 0; ``()`` when unknown)."""

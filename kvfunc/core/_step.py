@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from kvfunc.core._delta import COPY_INTO_NEW
 from kvfunc.core._group import GroupCopy, Transient
 from kvfunc.core._policy import plan_step
-from kvfunc.core._rows import Row
+from kvfunc.core._rows import Row, leading_nulls
 
 __all__ = ["Plan", "apply_plan", "cache_step", "plan_group", "step"]
 
@@ -69,7 +69,7 @@ def plan_group(g: GroupCopy, row: Row | None, computed: int, total: int, reserve
         else:
             src = hit_table[0]
     if entries is not None:
-        held, nulls = len(entries), _leading_nulls(entries)
+        held, nulls = len(entries), leading_nulls(entries)
     elif row is not None:
         held, nulls = row.length, row.nulls
     else:
@@ -86,13 +86,6 @@ def plan_group(g: GroupCopy, row: Row | None, computed: int, total: int, reserve
     if need + extra + len(cow) > room:
         return False
     return None if idle else _new(Plan, (row, entries, src, upto, add_nulls, need, cow))
-
-
-def _leading_nulls(entries: tuple[int, ...]) -> int:
-    n = 0
-    while n < len(entries) and not entries[n]:
-        n += 1
-    return n
 
 
 def hit_fits(g: Any, entries: tuple[int, ...], hashes: Any, num_tokens: int) -> tuple[bool, int]:
@@ -165,7 +158,7 @@ def step(tr: Transient, request_id: int | str, computed: int, written: int, tota
     Counts are clamped to ``max_model_len`` and checked by the caller.
     """
     slot = tr.slots.slot_of(request_id)
-    plans: list[tuple[GroupCopy, Plan | None]] = []
+    plans: list[tuple[GroupCopy, Plan | None, Row | None]] = []
     copies = tr.copies
     for i in range(len(copies)):
         g = copies[i] or tr.copy(i)
@@ -177,9 +170,10 @@ def step(tr: Transient, request_id: int | str, computed: int, written: int, tota
         if plan is False:
             return False
         if plan is not None or (hashes is not None and row is not None):
-            plans.append((g, plan))  # type: ignore[arg-type]
-    for g, plan in plans:
-        row = apply_plan(g, slot, request_id, plan) if plan is not None else g.row(slot)
+            plans.append((g, plan, row))  # type: ignore[arg-type]
+    for g, plan, row in plans:
+        if plan is not None:
+            row = apply_plan(g, slot, request_id, plan)
         if hashes is not None and row is not None:
             cache_step(g, slot, request_id, row, computed, written, hashes)
     if hit is not None and tr.sink is not None:
