@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -20,32 +21,51 @@ def d(order: str, **columns: Any) -> kf.BlocksChanged:
     return kf.BlocksChanged(order=order, **columns)
 
 
+# name: (the second delta of a log, the start of the error's message after "delta 1")
 BAD_PLAIN = {
-    "frees a free block": d("LFFF", released_keys=("full",), released_request_ids=("a",),
-                            freed_keys=("full",) * 3, freed_block_ids=(1, 2, 5)),
-    "frees a held block": d("LFFF", released_keys=("full",), released_request_ids=("a",),
-                            freed_keys=("full",) * 3, freed_block_ids=(1, 2, 3)),
-    "releases without freeing": d("L", released_keys=("full",), released_request_ids=("a",)),
-    "a null entry in a full-attention table": d(
-        "RA", registered_keys=("full",), registered_request_ids=("c",),
-        appended_keys=("full",), appended_request_ids=("c",), appended_block_ids=(0,)),
-    "a float request id": d("R", registered_keys=("full",), registered_request_ids=(1.0,)),
-    "a null request id": d("R", registered_keys=("full",), registered_request_ids=(None,)),
-    "a block the pool would not hand out": d(
-        "RA", registered_keys=("full",), registered_request_ids=("c",),
-        appended_keys=("full",), appended_request_ids=("c",), appended_block_ids=(7,)),
-    "an unknown group": d("R", registered_keys=("swa",), registered_request_ids=("c",)),
-    "a malformed order": d("AA", appended_keys=("full",), appended_request_ids=("a",),
-                           appended_block_ids=(4,)),
+    "frees a free block": (
+        d("LFFF", released_keys=("full",), released_request_ids=("a",),
+          freed_keys=("full",) * 3, freed_block_ids=(1, 2, 5)),
+        ", operation 3 Freed(key='full', block_id=5): block 5 is freed, but no operation"),
+    "frees a held block": (
+        d("LFFF", released_keys=("full",), released_request_ids=("a",),
+          freed_keys=("full",) * 3, freed_block_ids=(1, 2, 3)),
+        ", operation 3 Freed(key='full', block_id=3): block 3 is freed, but no operation"),
+    "releases without freeing": (
+        d("L", released_keys=("full",), released_request_ids=("a",)),
+        ": blocks left without a holder are never freed: {'full': [1, 2]}"),
+    "a null entry in a full-attention table": (
+        d("RA", registered_keys=("full",), registered_request_ids=("c",),
+          appended_keys=("full",), appended_request_ids=("c",), appended_block_ids=(0,)),
+        ", operation 1 Appended(key='full', request_id='c', block_id=0): a null entry in "
+        "'full', whose policy keeps every token"),
+    "a float request id": (
+        d("R", registered_keys=("full",), registered_request_ids=(1.0,)),
+        ", operation 0 Registered(key='full', request_id=1.0): request id 1.0 is not a str"),
+    "a null request id": (
+        d("R", registered_keys=("full",), registered_request_ids=(None,)),
+        ", operation 0 Registered(key='full', request_id=None): request id None is not a str"),
+    "a block the pool would not hand out": (
+        d("RA", registered_keys=("full",), registered_request_ids=("c",),
+          appended_keys=("full",), appended_request_ids=("c",), appended_block_ids=(7,)),
+        ", operation 1 Appended(key='full', request_id='c', block_id=7): 'full' hands out "
+        "block 4, the delta says 7"),
+    "an unknown group": (
+        d("R", registered_keys=("swa",), registered_request_ids=("c",)),
+        ", operation 0 Registered(key='swa', request_id='c'): unknown manager_key 'swa'"),
+    "a malformed order": (
+        d("AA", appended_keys=("full",), appended_request_ids=("a",), appended_block_ids=(4,)),
+        ": malformed delta: order names 2 'A' rows, the columns hold 1"),
 }
 
 
 @pytest.mark.parametrize("name", BAD_PLAIN)
 def test_a_delta_that_does_not_fit_is_refused_naming_it(name: str) -> None:
-    """Each broken log is a ReplayMismatchError naming the delta, never a broken state."""
+    """Each broken log is a ReplayMismatchError naming the delta, the operation and the misfit."""
     s0, s1, good = plain()
-    with pytest.raises(kf.ReplayMismatchError, match=r"^delta 1"):
-        kf.replay(s0, [good, BAD_PLAIN[name]])
+    bad, says = BAD_PLAIN[name]
+    with pytest.raises(kf.ReplayMismatchError, match="^" + re.escape("delta 1" + says)):
+        kf.replay(s0, [good, bad])
     assert kf.replay(s0, [good]) == s1
 
 
@@ -89,6 +109,6 @@ def test_replay_of_every_transition_kind_checks_out() -> None:
         deltas.append(dl)
     s, dl = kf.reset_prefix_cache(s)
     deltas.append(dl)
-    assert {"R", "A", "S", "C", "T", "F", "L", "Z", "H"} <= set("".join(x.order for x in deltas))
+    assert set("RANSCTFLZH") <= set("".join(x.order for x in deltas))
     assert kf.replay(s0, deltas) == s
     kf.check_invariants(s)

@@ -3,7 +3,8 @@
 Imports only the standard library, attrs and pyrsistent (never torch).  The
 modules, by what they hold:
 
-* metadata and sizing: ``_cache_info``, ``_dtypes``, ``_validate``, ``_sizing``;
+* metadata and sizing: ``_cache_info``, ``_dtypes``, ``_validate``, ``_sizing``,
+  ``_sizing_config``;
 * policies (one per attention type): ``_policy``;
 * the state: ``_state`` (values), ``_rows`` (block tables), ``_pool`` (the
   free queue), ``_cache`` (reference counts and the hash store),
@@ -11,7 +12,7 @@ modules, by what they hold:
 * working copies and their primitives: ``_group``, ``_cache_group``;
 * the step and its folds: ``_step``, ``_fold``, ``_transitions``;
 * prefix caching: ``_hashing``, ``_prefix``, ``_prefix_ops``;
-* deltas and replay: ``_delta``, ``_replay``;
+* deltas and replay: ``_ops`` (the operation records), ``_delta``, ``_replay``;
 * argument checks and errors: ``_checks``, ``_errors``.
 
 ``kvfunc.core._internal`` names what the compat facade and the shell build on.
@@ -28,24 +29,7 @@ from kvfunc.core._cache_info import (
     OffloadWorkspaceMemoryInfo,
 )
 from kvfunc.core._checks import MAX_NUM_BLOCKS
-from kvfunc.core._delta import (
-    COPY_INTO_NEW,
-    COPY_SAVED,
-    DELTA_VERSION,
-    Appended,
-    BlocksChanged,
-    Cleared,
-    Copied,
-    Evicted,
-    Freed,
-    LookedUp,
-    Nulled,
-    Operation,
-    Registered,
-    Released,
-    Shared,
-    Stored,
-)
+from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, DELTA_VERSION, BlocksChanged
 from kvfunc.core._dtypes import dtype_itemsize
 from kvfunc.core._errors import (
     BlockIndexError,
@@ -68,6 +52,20 @@ from kvfunc.core._errors import (
 from kvfunc.core._fold import SlotRequest
 from kvfunc.core._hashing import HASH_FUNCTIONS, BlockHash, BlockHashes, hash_function
 from kvfunc.core._invariants import check_invariants
+from kvfunc.core._ops import (
+    Appended,
+    Cleared,
+    Copied,
+    Evicted,
+    Freed,
+    LookedUp,
+    Nulled,
+    Operation,
+    Registered,
+    Released,
+    Shared,
+    Stored,
+)
 from kvfunc.core._policy import (
     FullAttention,
     Mamba,

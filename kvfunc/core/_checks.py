@@ -16,6 +16,7 @@ from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
 __all__ = [
     "MAX_NUM_BLOCKS",
     "check_count",
+    "check_int",
     "check_manager_keys",
     "check_request_id",
     "excerpt",
@@ -120,6 +121,26 @@ def check_count(name: str, value: object) -> int:
         raise InvalidTypeError(msg)
     if value < 0:
         msg = f"{name} must be non-negative, but got {value}"
+        raise InvalidArgumentError(msg)
+    return value
+
+
+def check_int(owner: str, name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an ``int`` (never a bool) of at least ``minimum``; else a typed error.
+
+    >>> check_int("SizingConfig", "next_n", 2, 0)
+    2
+    >>> check_int("SizingConfig", "batch_size_per_dp_rank", 0, 1)
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidArgumentError: SizingConfig batch_size_per_dp_rank must be >= 1, \
+but got 0
+    """
+    if type(value) is not int:
+        msg = f"{owner} {name} must be an int, but got {value!r}"
+        raise InvalidTypeError(msg)
+    if value < minimum:
+        msg = f"{owner} {name} must be >= {minimum}, but got {value}"
         raise InvalidArgumentError(msg)
     return value
 

@@ -53,29 +53,11 @@ import attrs
 
 from kvfunc.core._checks import excerpt
 from kvfunc.core._errors import ReplayMismatchError
-from kvfunc.core._ops import (
-    COLUMNS,
-    FAMILIES,
-    RECORDS,
-    Appended,
-    Cleared,
-    Copied,
-    Evicted,
-    Freed,
-    LookedUp,
-    Nulled,
-    Operation,
-    Registered,
-    Released,
-    Shared,
-    Stored,
-)
+from kvfunc.core._ops import COLUMNS, FAMILIES, RECORDS, Operation
 
 __all__ = [
-    "COLUMN_NAMES", "COPY_INTO_NEW", "COPY_SAVED", "DELTA_VERSION", "EMPTY_DELTA", "FAMILIES",
-    "FIELDS", "Appended",
-    "BlocksChanged", "Cleared", "Copied", "DeltaBuilder", "Evicted", "Freed", "LookedUp",
-    "Nulled", "Operation", "Registered", "Released", "Shared", "Stored",
+    "COLUMN_NAMES", "COPY_INTO_NEW", "COPY_SAVED", "DELTA_VERSION", "EMPTY_DELTA", "FIELDS",
+    "BlocksChanged", "DeltaBuilder", "family_rows",
 ]
 
 DELTA_VERSION = 2

@@ -21,11 +21,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvfunc.core._checks import excerpt, is_request_id
-from kvfunc.core._delta import (
-    COPY_INTO_NEW,
-    COPY_SAVED,
+from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, BlocksChanged
+from kvfunc.core._errors import ReplayMismatchError, UnknownRequestError
+from kvfunc.core._group import GroupCopy, Transient
+from kvfunc.core._ops import (
     Appended,
-    BlocksChanged,
     Cleared,
     Copied,
     Evicted,
@@ -37,8 +37,6 @@ from kvfunc.core._delta import (
     Shared,
     Stored,
 )
-from kvfunc.core._errors import ReplayMismatchError, UnknownRequestError
-from kvfunc.core._group import GroupCopy, Transient
 from kvfunc.core._rows import EMPTY_ROW, Row, extend_row, replace_entry
 from kvfunc.core._state import KVState, check_state
 
@@ -127,6 +125,20 @@ def _block(g: GroupCopy, value: object) -> int:
     return value  # type: ignore[return-value]
 
 
+def _keeps_every_token(g: GroupCopy) -> bool:
+    """True when the group's policy never skips a token (no null entries, nothing slides out)."""
+    return g.policy.window is None and not g.policy.may_skip
+
+
+def _take(g: GroupCopy, b: int) -> None:
+    """Take the head of the free queue, which must be block ``b``."""
+    if g.count == 0:
+        _fail(f"{g.key!r} has no free block for {b}")
+    (taken,) = g.take(1)
+    if taken != b:
+        _fail(f"{g.key!r} hands out block {taken}, the delta says {b}")
+
+
 def _row(tr: Transient, g: GroupCopy, request_id: object) -> tuple[int, Row]:
     _request_id(request_id)
     slot = tr.slots.get(request_id)  # type: ignore[arg-type]
@@ -158,8 +170,7 @@ def _registered(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> Non
 def _released(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
     slot, row = _row(tr, g, op.request_id)
     g.drop(slot, op.request_id)
-    for b in (row.ids[row.length - 1:row.nulls - 1 if row.nulls else None:-1] if g.caching
-              else row.ids[row.nulls:row.length]):
+    for b in g.release_order(row):
         _drop_holder(g, b, pending)
 
 
@@ -167,7 +178,7 @@ def _nulled(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
     slot, row = _row(tr, g, op.request_id)
     if op.position != row.nulls or row.nulls >= row.length:
         _fail(f"position {excerpt(op.position)} does not extend the null prefix {row.nulls}")
-    if g.policy.window is None and not g.policy.may_skip:
+    if _keeps_every_token(g):
         _fail(f"{g.key!r} keeps every token: nothing slides out")
     g.put(slot, _new(Row, (row.ids, row.length, row.nulls + 1, row.shared, row.stored)))
     _drop_holder(g, row.ids[op.position], pending)
@@ -184,18 +195,14 @@ def _freed(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
 def _appended(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
     slot, row = _row(tr, g, op.request_id)
     if op.block_id == 0:
-        if g.policy.window is None and not g.policy.may_skip:
+        if _keeps_every_token(g):
             _fail(f"a null entry in {g.key!r}, whose policy keeps every token")
         if row.length != row.nulls:
             _fail("a null entry after a real one")
         g.put(slot, extend_row(row, (), 1))
         return
     b = _block(g, op.block_id)
-    if g.count == 0:
-        _fail(f"{g.key!r} has no free block for {b}")
-    (taken,) = g.take(1)
-    if taken != b:
-        _fail(f"{g.key!r} hands out block {taken}, the delta says {b}")
+    _take(g, b)
     g.put(slot, extend_row(row, (b,)))
 
 
@@ -223,11 +230,7 @@ def _copied(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
         _fail(f"position {excerpt(pos)} is not in the request's table")
     if pos >= 0 and row.ids[pos] != src:
         _fail(f"position {pos} holds block {row.ids[pos]}, not {src}")
-    if g.count == 0:
-        _fail(f"{g.key!r} has no free block for {dst}")
-    (taken,) = g.take(1)
-    if taken != dst:
-        _fail(f"{g.key!r} hands out block {taken}, the delta says {dst}")
+    _take(g, dst)
     if pos == COPY_SAVED:
         return  # held by nobody once its Stored row caches it
     new = replace_entry(row, pos, dst)

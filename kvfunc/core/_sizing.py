@@ -22,6 +22,7 @@ from collections.abc import Callable
 import attrs
 
 from kvfunc.core._cache_info import CacheAllocator, CacheEntry, ModelCacheInfo
+from kvfunc.core._checks import check_int
 from kvfunc.core._dtypes import dtype_itemsize
 from kvfunc.core._errors import (
     InsufficientMemoryError,
@@ -30,7 +31,6 @@ from kvfunc.core._errors import (
     InvalidTypeError,
 )
 from kvfunc.core._sizing_config import SizingConfig
-from kvfunc.core._sizing_config import check_int as _check_int
 from kvfunc.core._validate import FIXED_BLOCK_ATTN_TYPES, mamba_entry, positive_field
 
 __all__ = [
@@ -159,8 +159,8 @@ def _collect_paged_groups(config: SizingConfig, cache_info: ModelCacheInfo) -> _
 
 
 def _check_memory(free: object, total: object) -> tuple[int, int]:
-    free = _check_int("calculate_block_num", "free_memory_bytes", free, 0)
-    total = _check_int("calculate_block_num", "total_memory_bytes", total, 0)
+    free = check_int("calculate_block_num", "free_memory_bytes", free, 0)
+    total = check_int("calculate_block_num", "total_memory_bytes", total, 0)
     if free > total:
         msg = f"free_memory_bytes={free} exceeds total_memory_bytes={total}"
         raise InvalidArgumentError(msg)
@@ -260,8 +260,8 @@ def calculate_block_num_lazy(
     {'SlidingWindow': 11}
     """
     if offline_max_len is not None:
-        _check_int("calculate_block_num", "offline_max_len", offline_max_len, 0)
-    extra = _check_int("calculate_block_num", "extra_reserved_memory_bytes",
+        check_int("calculate_block_num", "offline_max_len", offline_max_len, 0)
+    extra = check_int("calculate_block_num", "extra_reserved_memory_bytes",
                        extra_reserved_memory_bytes, 0)
     groups = _collect_paged_groups(config, cache_info)
     block_num: dict[str, int] = {}

@@ -6,19 +6,10 @@ from typing import Any
 
 import attrs
 
+from kvfunc.core._checks import check_int
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["SizingConfig", "check_int"]
-
-
-def check_int(owner: str, name: str, value: object, minimum: int) -> int:
-    if type(value) is not int:
-        msg = f"{owner} {name} must be an int, but got {value!r}"
-        raise InvalidTypeError(msg)
-    if value < minimum:
-        msg = f"{owner} {name} must be >= {minimum}, but got {value}"
-        raise InvalidArgumentError(msg)
-    return value
+__all__ = ["SizingConfig"]
 
 
 @attrs.frozen
