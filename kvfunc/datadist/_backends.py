@@ -205,18 +205,18 @@ class Incoming(abc.ABC):
 
 
 class StagedIncoming(Incoming):
-    """A receiving half that lands data in a staging buffer, then copies it into the rows."""
+    """A receiving half that lands data in a staging buffer from ``buffers``, then copies it
+    into the rows (the buffer goes back to ``buffers`` once every tensor is placed)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], rows: Sequence[int],
-                 staging_device: torch.device, buffers: BufferPool | None = None) -> None:
+                 staging_device: torch.device, buffers: BufferPool) -> None:
         self.tensors = list(tensors)
         self.rows = list(rows)
         self.index = None if consecutive(self.rows) else torch.tensor(self.rows)
         first = self.tensors[0]
         shape = (len(self.tensors), len(self.rows), *first.shape[1:])
         self.buffers = buffers
-        self.buffer = buffers.take(shape, first.dtype, staging_device) if buffers else \
-            torch.empty(shape, dtype=first.dtype, device=staging_device)
+        self.buffer = buffers.take(shape, first.dtype, staging_device)
         self.staging = list(self.buffer)
         self.placed: set[int] = set()
 
@@ -237,7 +237,7 @@ class StagedIncoming(Incoming):
         else:
             tensor.index_copy_(0, self.index.to(tensor.device), staged.to(tensor.device))
         self.placed.add(i)
-        if self.buffers is not None and len(self.placed) == len(self.tensors):
+        if len(self.placed) == len(self.tensors):
             self.buffers.give(self.buffer)  # every tensor placed: nothing lands here again
 
 
@@ -442,8 +442,7 @@ class _TorchIncoming(StagedIncoming):
         except TransferTimeoutError:
             self.abandon(lambda: None)
             raise
-        if self.buffers is not None:
-            self.buffers.give(self.buffer)  # the drain wrote nothing; nothing will
+        self.buffers.give(self.buffer)  # the drain wrote nothing; nothing will
 
 
 class TorchEndpoint(Endpoint):
@@ -456,11 +455,12 @@ class TorchEndpoint(Endpoint):
 
     def __init__(self, group: dist.ProcessGroup, kind: str, rank: int,
                  device: torch.device) -> None:
-        self.group, self.kind, self.peer = group, kind, 1 - rank
-        self.wire_device = torch.device("cpu") if kind == "gloo" else device
+        self.group, self.peer = group, 1 - rank
+        gloo = kind == "gloo"
+        self.wire_device = torch.device("cpu") if gloo else device
         self.abandoned: list[Any] = []
         self.buffers = BufferPool()
-        self.posts_early = self.drains = kind == "gloo"  # nccl/hccl: an empty drain is unverified
+        self.posts_early = self.drains = gloo  # nccl/hccl: an empty drain is unverified
         self.sender = ThreadPoolExecutor(1, thread_name_prefix="kvfunc-send") \
             if self.wire_device.type == "cpu" else None  # device sends never write inline
 

@@ -195,8 +195,5 @@ class MooncakeEndpoint(Endpoint):
             raise InvalidParamError("a Mooncake read needs the sender's descriptor")
         return _Incoming(self.engine, self.peer_session, tensors, rows, descriptor)
 
-    def drain(self, tag: int, starts: Sequence[int], timeout_s: float) -> None:
-        """Nothing to complete: a Mooncake receiver posts nothing before it asks."""
-
     def close(self) -> None:
         """Nothing to tear down per link: the engine belongs to the cluster."""

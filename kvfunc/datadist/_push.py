@@ -28,7 +28,6 @@ from kvfunc.datadist._transfer import (
     Deadline,
     broken,
     check_compatible,
-    check_role,
     layers_of,
     put_quietly,
     release_when_settled,
@@ -192,12 +191,13 @@ def _destination(manager: CacheManager, message: dict[str, Any]
     return pinned, tensors, rows
 
 
-def _serve_push(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:
-    tid = get_int(message, "tid")
+def _serve_push(manager: CacheManager, link: Link, tid: int, message: dict[str, Any]
+                ) -> None:
+    """Take the push ``message`` (transfer ``tid``, already checked by the dispatch)."""
     timeout_s = manager._timeout_s
     pinned: Cache | None = None
     try:
-        check_role(manager, LLMRole.DECODER, "push")
+        manager._require(LLMRole.DECODER, "serving a push")
         peer_desc = CacheDesc.from_json(message.get("desc") or {})
         pinned, tensors, rows = _destination(manager, message)
         local = pinned.cache_desc
@@ -242,13 +242,14 @@ def dispatch(manager: CacheManager, link: Link, message: dict[str, Any]) -> None
     """Serve one request that arrived on ``link``."""
     op = message.get("op")
     try:  # an id the peer cannot have drawn gets no reply: it could name this side's keys
-        link.check_peer_tid(get_int(message, "tid"), 1)
+        tid = get_int(message, "tid")
+        link.check_peer_tid(tid, 1)
     except InvalidParamError as exc:
         log.warning("ignored request %r from cluster %d: %s", op, link.peer_cluster_id, exc)
         return
     if op == "pull":
-        serve_pull(manager, link, message)
+        serve_pull(manager, link, tid, message)
     elif op == "push":
-        _serve_push(manager, link, message)
+        _serve_push(manager, link, tid, message)
     else:
         log.warning("unknown request %r from cluster %d", op, link.peer_cluster_id)

@@ -75,10 +75,9 @@ from kvfunc.datadist._types import BlocksCacheKey, CacheDesc, CacheKey, LLMRole
 if TYPE_CHECKING:
     from kvfunc.datadist._cache_manager import CacheManager
 
-__all__ = ["Deadline", "broken", "check_compatible", "check_role", "layers_of", "pull",
-           "put_quietly", "release_when_settled", "serve_pull"]
+__all__ = ["Deadline", "broken", "check_compatible", "layers_of", "pull", "put_quietly",
+           "release_when_settled", "serve_pull"]
 
-LayerWait = Callable[[int], None]
 _MAX_MESSAGES = 1 << 16  # of one transfer (at most one per tensor)
 
 
@@ -244,12 +243,12 @@ def _drain(link: Link, tid: int, message: dict[str, Any], timeout_s: float) -> N
                     link.peer_cluster_id, exc)
 
 
-def serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> None:
-    tid = get_int(message, "tid")
+def serve_pull(manager: CacheManager, link: Link, tid: int, message: dict[str, Any]) -> None:
+    """Serve the pull ``message`` (transfer ``tid``, already checked by the dispatch)."""
     timeout_s = manager._timeout_s
     pinned: Cache | None = None
     try:
-        check_role(manager, LLMRole.PROMPT, "pull")
+        manager._require(LLMRole.PROMPT, "serving a pull")
         key = key_from_json(message.get("key"))
         peer_desc = CacheDesc.from_json(message.get("desc") or {})
         n_rows = get_int(message, "n_rows", 1, peer_desc.num_rows)
@@ -300,11 +299,3 @@ def serve_pull(manager: CacheManager, link: Link, message: dict[str, Any]) -> No
         unpin()
     if acked:
         put_quietly(link, f"x/{tid}/fin", {"ok": True})
-
-
-def check_role(manager: CacheManager, role: LLMRole, what: str) -> None:
-    """A peer's request is served only by the role that serves it (a DECODER never serves
-    a pull, a PROMPT never takes a push)."""
-    if manager.role is not role:
-        raise InvalidParamError(f"a {what} is served by a {role.name} cluster; this one is "
-                                f"{manager.role.name}")

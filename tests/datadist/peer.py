@@ -132,8 +132,8 @@ class Peer:
         def send(self: Any, indices: Any) -> None:
             _tcp._Outgoing.send = original  # type: ignore[method-assign]
             frame, conn = self.frames[0], self.conn
-            nbytes = sum(b.nbytes for b in frame)
-            head = [memoryview(_wire.data_header(self.tag, 0, nbytes)), frame[0]]
+            head = [memoryview(_wire.data_header(self.tag, 0, _wire.frame_bytes(frame))),
+                    frame[0]]
             with conn._send_lock:
                 conn._send_all(head, time.monotonic() + 30)
                 peer.emit({"event": "stalled"})

@@ -229,6 +229,7 @@ def test_addresses_that_name_no_single_cache_are_refused_by_the_decoder(
     with pytest.raises(LLMError) as info:
         task.synchronize(10_000)
     assert CODE.LLM_PARAM_INVALID == info.value.status_code, info.value
+    assert str(info.value).startswith("LLM_PARAM_INVALID: peer: "), info.value
     assert_clean(decoder.cache_manager, dst, before)
     assert decoder._links[0].broken is None
     config = dd.TransferConfig(1, a)

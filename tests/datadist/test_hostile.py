@@ -200,6 +200,7 @@ def test_a_request_in_the_wrong_direction_is_refused(request: pytest.FixtureRequ
     hostile.post(request)
     reply = hostile.link.channel.take(f"x/{tid}/accept", TIMEOUT_S)
     assert (False, "LLM_PARAM_INVALID") == (reply["ok"], reply["code"])
+    assert f"serving a {op} is a" in reply["message"], reply  # refused for its direction
     assert_clean(cm, target, before)
     assert victim._links[hostile.dd.cluster_id].broken is None
     if op == "push":  # the honest direction still works on the same link
