@@ -359,13 +359,12 @@ def snapshot(state: kf.KVState) -> Any:
 
 
 def time_lanes(lanes: Sequence[Lane], groups: Groups, trace: Trace, rounds: int,
-               num_steps: int, steps: Sequence[OnStep] | None = None
-               ) -> tuple[dict[str, list[int]], dict[str, Any]]:
+               steps: Sequence[OnStep]) -> tuple[dict[str, list[int]], dict[str, Any]]:
     """Nanoseconds per round of every lane, and each lane's final snapshot (last round).
 
-    A round sets every lane up (untimed, the fill step), then replays the
-    first ``num_steps`` steps in segments of ``SEGMENT``: every lane replays
-    a segment, in an order that rotates, before the next segment starts.
+    A round sets every lane up (untimed, the fill step), then replays
+    ``steps`` in segments of ``SEGMENT``: every lane replays a segment, in an
+    order that rotates, before the next segment starts.
     ``check_invariants`` runs on every final state.
     """
     times: dict[str, list[int]] = {lane.name: [] for lane in lanes}
@@ -376,11 +375,10 @@ def time_lanes(lanes: Sequence[Lane], groups: Groups, trace: Trace, rounds: int,
         gc.collect()
         gc.disable()
         try:
-            for i, start in enumerate(range(0, num_steps, SEGMENT)):
+            for i, start in enumerate(range(0, len(steps), SEGMENT)):
+                segment = steps[start:start + SEGMENT]
                 for j in range(len(lanes)):
                     k = (i + j) % len(lanes)
-                    segment = (trace.on_steps if steps is None else steps)[
-                        start:min(start + SEGMENT, num_steps)]
                     t0 = perf_counter_ns()
                     lanes[k].replay(ctxs[k], segment, None)
                     spent[k] += perf_counter_ns() - t0
@@ -491,12 +489,12 @@ def time_mode(s: Settings, mode: str, groups: Groups, trace: Trace, fns: Sequenc
     """
     batched = mode != "call"
     lanes = [Lane(False, batched, suffix=mode)] + [Lane(True, batched, fn, mode) for fn in fns]
-    steps = trace.decode_steps if mode == "decode" else trace.on_steps
-    num_steps = min(num_steps, len(steps))
-    calls = sum(len(ops) for _, ops in steps[:num_steps])
+    steps = (trace.decode_steps if mode == "decode" else trace.on_steps)[:num_steps]
+    num_steps = len(steps)
+    calls = sum(len(ops) for _, ops in steps)
     target = TARGET_DECODE_RATIO if mode == "decode" else TARGET_RATIO
     load0 = _load()
-    times, snaps = time_lanes(lanes, groups, trace, s.rounds, num_steps, steps)
+    times, snaps = time_lanes(lanes, groups, trace, s.rounds, steps)
     load1 = _load()
     med = {n: statistics.median(t) for n, t in times.items()}
     what = {"batch": "allocate_batch per step: the target",

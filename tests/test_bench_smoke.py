@@ -27,6 +27,11 @@ def test_bench_core_quick_runs_and_cross_checks_block_ids(tmp_path: Path) -> Non
     checked = {name: runs > 0 for name, runs in result["cross_check"].items()}
     assert checked == {"full": True, "hybrid": True,
                        "flatness_full": True, "flatness_hybrid": True}
+    paths = {"a", "c_call", "s", "b", "c_batch", "b_slot", "b_call", "b_nolane"}
+    for config in ("full", "hybrid"):
+        assert set(result["timing"][config]["runs_ns"]) == paths
+        assert (f"cross-check [{config}]: final block tables and free queues identical across "
+                f"{len(paths)} paths") in proc.stdout
 
 
 def test_cross_check_rejects_different_block_ids() -> None:
@@ -60,7 +65,7 @@ def test_bench_prefix_quick_runs_and_cross_checks(tmp_path: Path) -> None:
     assert "sha256" in fns
     for config in ("full", "hybrid"):
         timed = result["configs"][config]
-        for mode in ("batch", "call"):
+        for mode in ("batch", "call", "decode"):
             assert set(timed[mode]["ratio_on_off"]) == set(fns)
             assert set(timed[mode]["us_per_call"]) == {f"off_{mode}",
                                                         *(f"on_{fn}_{mode}" for fn in fns)}

@@ -193,7 +193,7 @@ class _Reader:
                 return
             step = record.get("step") if isinstance(record, dict) else None
             if type(step) is not int or step < 0 or (type(self.step) is int and step < self.step):
-                msg = (f"step {step!r} does not follow step {self.step!r}: steps are "
+                msg = (f"step {show(step)} does not follow step {self.step!r}: steps are "
                        "non-negative ints that never decrease")
                 raise _malformed(self.path, self.line, msg)
             self.step = step

@@ -139,6 +139,15 @@ class UpperBound(NamedTuple):
         """Hit tokens over prompt tokens."""
         return hit_rate(self.hit_tokens, self.prompt_tokens)
 
+    def to_json(self) -> dict[str, Any]:
+        """The ``"upper_bound"`` object of a run's or a sweep's ``--json``.
+
+        >>> UpperBound(1000, 350).to_json()
+        {'prompt_tokens': 1000, 'hit_tokens': 350, 'hit_rate': 0.35}
+        """
+        return {"prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens,
+                "hit_rate": round(self.hit_rate, 4)}
+
 
 def upper_bound(requests: Iterable[Any]) -> UpperBound:
     """The trace's upper bound: leading ids seen before, in arrival order, capped at length - 1.

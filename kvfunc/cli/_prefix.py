@@ -24,13 +24,14 @@ admitted again.  Token ids are never stored for a whole trace: a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from math import gcd
+from types import MappingProxyType
 from typing import overload
 
 from kvfunc.cli._mooncake import HASH_BLOCK_TOKENS
 from kvfunc.cli._trace import TraceRequest
-from kvfunc.core import BlockHashes, KVState, PrefixHit, lookup_prefix
+from kvfunc.core import BlockHashes, KVState, PrefixHit, RequestId, lookup_prefix
 
 __all__ = ["PrefixCacher", "SyntheticTokens", "hash_block_size"]
 
@@ -132,8 +133,18 @@ class PrefixCacher:
         self._requests = requests
         self.block_size = block_size
         self.hash_fn = hash_fn
-        self._hashes: dict[int, BlockHashes] = {}
+        self._hashes: dict[RequestId, BlockHashes] = {}  # keyed by the requests' indices
+        self._live = MappingProxyType(self._hashes)
         self.prompt_tokens = self.hit_tokens = self.recompute_hit_tokens = 0
+
+    @property
+    def live(self) -> Mapping[RequestId, BlockHashes]:
+        """Every live request's hashes, as far as :meth:`hashes` extended them (read-only).
+
+        A step passes it as ``allocate_batch``'s ``block_hashes``: the core reads
+        a request's hashes only where its step fills a block.
+        """
+        return self._live
 
     def hashes(self, rid: int, length: int) -> BlockHashes:
         """Request ``rid``'s hashes covering its first ``length`` tokens' full blocks."""

@@ -27,10 +27,12 @@ With a :class:`~kvfunc.cli._prefix.PrefixCacher` (a trace that names its
 prompt blocks, on a state with prefix caching), step 3 looks each admission
 up first (:func:`kvfunc.lookup_prefix` on the state before the step) and
 admits it with its hit: ``computed_tokens`` starts at the hit, and only the
-rest is prefilled.  Every entry carries the request's block hashes, so the
-blocks it fills are cached as it goes, and a preempted request finds its own
-blocks when it is admitted again.  Without one, every prompt is prefilled in
-full.
+rest is prefilled.  An admission carries its block hashes; a running
+request's entry is a plain tuple, and the step reads its hashes from
+``PrefixCacher.live`` (``block_hashes=``) only where it fills a block.  So the
+blocks a request fills are cached as it goes, and a preempted request finds
+its own blocks when it is admitted again.  Without one, every prompt is
+prefilled in full.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ class Scheduler:
         self._next = 0
         self.clock = 0.0
         self.steps = 0
-        self.finished = self.rejected = self.preemptions = self.refused_allocations = 0
+        self.finished = self.preemptions = self.refused_allocations = 0
         self.prefill_tokens = self.recomputed_tokens = self.generated_tokens = 0
         self.prompt_tokens = 0  # prompts of the requests admitted (first admissions)
         self._capacity = [g.policy.num_blocks - 1 for g in state.groups]
@@ -138,6 +140,11 @@ class Scheduler:
         self._spent = 0.0
 
     @property
+    def rejected(self) -> int:
+        """Requests rejected on arrival so far."""
+        return len(self.rejected_ids)
+
+    @property
     def done(self) -> int:
         """Requests finished or rejected so far."""
         return self.finished + self.rejected
@@ -150,8 +157,9 @@ class Scheduler:
             self._on_delta(self.steps, delta)
 
     def _allocate(self, state: KVState, batch: list[tuple[Any, ...]]) -> Any:
+        hashes = None if self.prefix is None else self.prefix.live
         t0 = time.perf_counter()
-        res = allocate_batch(state, batch)
+        res = allocate_batch(state, batch, block_hashes=hashes)
         self._spent += time.perf_counter() - t0
         return res
 
@@ -179,7 +187,6 @@ class Scheduler:
             if self._servable(rid):
                 self.waiting.append(rid)
             else:
-                self.rejected += 1
                 self.rejected_ids.append(rid)
 
     def _running_batch(self, budget: int) -> tuple[list[tuple[Any, ...]], int]:
@@ -201,9 +208,8 @@ class Scheduler:
                 continue
             budget -= new
             if prefix is not None:  # hashed up to c + new: the blocks it fills get cached
-                batch.append((rid, c, new, lookahead, 0, None, prefix.hashes(rid, c + new)))
-            else:
-                batch.append((rid, c, new, lookahead) if lookahead else (rid, c, new))
+                prefix.hashes(rid, c + new)  # the step reads them from prefix.live
+            batch.append((rid, c, new, lookahead) if lookahead else (rid, c, new))
         return batch, budget
 
     def _admissions(self, budget: int) -> list[tuple[Any, ...]]:

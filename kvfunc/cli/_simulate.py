@@ -161,10 +161,7 @@ class PrefixReport:
                 "hit_tokens": self.hit_tokens, "hit_rate": round(self.hit_rate, 4),
                 "recompute_hit_tokens": self.recompute_hit_tokens,
                 "stored_blocks": self.stored_blocks, "evicted_blocks": self.evicted_blocks,
-                "hash_block_size": self.hash_block_size,
-                "upper_bound": {"prompt_tokens": self.bound.prompt_tokens,
-                                "hit_tokens": self.bound.hit_tokens,
-                                "hit_rate": round(self.bound.hit_rate, 4)}}
+                "hash_block_size": self.hash_block_size, "upper_bound": self.bound.to_json()}
 
 
 @attrs.frozen(eq=False)

@@ -88,9 +88,7 @@ class SweepResult:
         cfg = self.config
         return {"model": cfg.model.name, "trace": cfg.trace.description,
                 "concurrency": cfg.concurrency, "max_batched_tokens": cfg.max_batched_tokens,
-                "upper_bound": {"prompt_tokens": self.bound.prompt_tokens,
-                                "hit_tokens": self.bound.hit_tokens,
-                                "hit_rate": round(self.bound.hit_rate, 4)},
+                "upper_bound": self.bound.to_json(),
                 "capped_by_block_bound": self.capped, "wall_s": round(self.wall_s, 2),
                 "points": [p.to_json() for p in self.points]}
 

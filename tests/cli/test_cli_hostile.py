@@ -42,7 +42,6 @@ block_size = BLOCK },
     return text
 
 
-
 def assert_one_line_exit_2(code: int, err: str, needle: str) -> None:
     """Exit 2, one short line on stderr that names the problem, no traceback."""
     lines = err.strip().splitlines()

@@ -13,6 +13,7 @@ import pytest
 from kvfunc.cli import (
     Budget,
     CLIError,
+    Scheduler,
     SimulationConfig,
     TraceRequest,
     build_preset,
@@ -192,12 +193,23 @@ def test_a_rejected_request_leaves_the_bound() -> None:
                                p.hit_rate <= p.bound.hit_rate)
 
 
-def test_every_step_keeps_the_invariants_with_caching() -> None:
-    """A caching run's states pass check_invariants at the end, every block back."""
+def test_every_step_keeps_the_invariants_with_caching(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caching run under pressure passes check_invariants after every step; every block back."""
+    step, checked = Scheduler.step, []
+
+    def checked_step(sched: Scheduler) -> bool:
+        more = step(sched)
+        check_invariants(sched.state)
+        checked.append(sched.steps)
+        return more
+
+    monkeypatch.setattr(Scheduler, "step", checked_step)
     result = mooncake_run(60, 8 * GIB)
-    final = result.final_state  # type: ignore[attr-defined]
+    final, c = result.final_state, result.counters  # type: ignore[attr-defined]
     check_invariants(final)
     assert [g.policy.num_blocks - 1 for g in final.groups] == [g.num_free for g in final.groups]
+    steps = result.steps  # type: ignore[attr-defined]
+    assert (True, True) == (c["preemptions"] > 0, set(range(1, steps + 1)) <= set(checked))
 
 
 def test_a_caching_run_is_deterministic() -> None:

@@ -26,7 +26,6 @@ from cli_run import run_main  # the helper beside this file
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
 def test_version_is_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
     """kvfunc --version prints the installed version, which is kvfunc.__version__."""
     code, out, _ = run_main(capsys, "--version")
@@ -61,9 +60,12 @@ def test_default_memory_is_the_largest_that_applies(capsys: pytest.CaptureFixtur
 
 
 def test_help_says_what_memory_a_preset_needs(capsys: pytest.CaptureFixture[str]) -> None:
-    """simulate --help names the larger default and the model that needs it."""
+    """simulate --help names the larger defaults and the models and traces that need them."""
     code, out, _ = run_main(capsys, "simulate", "--help")
-    assert (0, True) == (code, "12GiB for qwen3-next-80b" in " ".join(out.split()))
+    text = " ".join(out.split())
+    assert (0, True, True, True) == (code, "12GiB for qwen3-next-80b" in text,
+                                     "24GiB on --trace mooncake-conversation" in text,
+                                     "24GiB on --trace mooncake-synthetic" in text)
 
 
 def test_plan_counts_usable_blocks(capsys: pytest.CaptureFixture[str]) -> None:
