@@ -266,7 +266,7 @@ def make_state(groups: Groups) -> kf.KVState:
 
 def state_snapshot(state: kf.KVState) -> Snapshot:
     """Tables and free queue (hand-out order) per group of a pure state."""
-    return {g.key: (dict(g.tables), g.free_block_ids()) for g in state.groups}
+    return {g.key: (dict(g.tables), state.pools[g.pool].free_block_ids()) for g in state.groups}
 
 
 def compat_setup(groups: Groups, fill: Sequence[Alloc]) -> Any:
@@ -326,17 +326,6 @@ def batch_slot_requests_replay(state: kf.KVState, steps: Sequence[Step]) -> kf.K
             raise Refused(res.refused)
         state = res.state
     return state
-
-
-def batch_no_lane_replay(state: kf.KVState, steps: Sequence[Step]) -> kf.KVState:
-    """(b) with the fold's lane turned off: every entry through the general step."""
-    import kvfunc.core._fold as fold
-
-    lane, fold.quiet_lane = fold.quiet_lane, lambda tr: None  # type: ignore[assignment]
-    try:
-        return batch_replay(state, steps)
-    finally:
-        fold.quiet_lane = lane
 
 
 def slots_replay(state: kf.KVState, steps: Sequence[Step]) -> kf.KVState:
@@ -413,8 +402,6 @@ PATHS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any], Callable[[An
                state_snapshot),
     "b_call": ("    (b) as allocate_slots per request", batch_setup, slots_replay,
                state_snapshot),
-    "b_nolane": ("    (b) without the fold's lane", batch_setup, batch_no_lane_replay,
-                 state_snapshot),
 }
 
 
@@ -557,11 +544,11 @@ def measure_memory(groups: Groups, fill: Sequence[Alloc], steps: Sequence[Step],
 
 
 def _attribute(states: Sequence[kf.KVState]) -> dict[str, int]:
-    """Bytes of the distinct row records and block-id lists reachable from ``states``."""
-    rows = {id(r): r for s in states for g in s.groups for r in g.rows if r is not None}
-    lists = {id(r.ids): r.ids for r in rows.values()}
+    """Bytes of the distinct row records and block-id tuples reachable from ``states``."""
+    rows = {id(r): r for s in states for g in s.groups for r in g.rows.values()}
+    blocks = {id(r.blocks): r.blocks for r in rows.values()}
     return {"rows": sum(sys.getsizeof(r) for r in rows.values()),
-            "id_lists": sum(sys.getsizeof(ids) for ids in lists.values())}
+            "id_lists": sum(sys.getsizeof(ids) for ids in blocks.values())}
 
 
 # ----------------------------------------------------------------------------
@@ -622,8 +609,6 @@ def bench_timing(s: Settings, fill: Sequence[Alloc], steps: Sequence[Step],
                                                             strict=True))
         ratio_call = statistics.median(b / c for b, c in zip(times["b"], times["b_call"],
                                                                strict=True))
-        lane_gain = 1 - statistics.median(b / c for b, c in zip(times["b"], times["b_nolane"],
-                                                                  strict=True))
         ratio_seed = statistics.median(a / b for a, b in zip(times["a"], times["s"],
                                                                strict=True))
         ok_a = ratio_seed <= TARGET_COMPAT
@@ -631,9 +616,6 @@ def bench_timing(s: Settings, fill: Sequence[Alloc], steps: Sequence[Step],
         ok_call = ratio_call <= TARGET_BATCH_PER_CALL
         print(f"ratio (a)/(c per call) = {ratio_a:.2f}x   ratio (b)/(c batched) = {ratio_b:.2f}x"
               f"   ratio (b)/(b per request) = {ratio_call:.2f}x (medians of per-run ratios)")
-        print(f"the fold's lane earns {lane_gain:.0%} of (b) (without it: every entry through "
-              f"the general step; a fast path stays only if it earns >= 20%): "
-              f"{_verdict(lane_gain >= 0.2)}")
         print(f"reference (2-core machine, elsewhere, same trace): seed mutable "
               f"{REF_SEED[config]:.2f} µs/call, vLLM 0.33 {REF_VLLM[config]:.2f} µs/call, "
               f"naive {REF_NAIVE_CALL:.2f} µs/call, {REF_NAIVE_STEP:.0f} µs/batched step")
@@ -657,7 +639,6 @@ def bench_timing(s: Settings, fill: Sequence[Alloc], steps: Sequence[Step],
             "pools": {k: pools[k] for k, _ in windows}, "runs_ns": times,
             "us_per_call": per_call, "us_per_step": per_step, "ratio_a_c_call": ratio_a,
             "ratio_b_c_batch": ratio_b, "ratio_b_b_call": ratio_call, "ratio_a_s": ratio_seed,
-            "lane_gain": lane_gain,
             "target_a": ok_a,
             "target_b": ok_b, "target_b_call": ok_call,
             "us_per_call_gc_enabled": gc_call}

@@ -27,7 +27,7 @@ def test_bench_core_quick_runs_and_cross_checks_block_ids(tmp_path: Path) -> Non
     checked = {name: runs > 0 for name, runs in result["cross_check"].items()}
     assert checked == {"full": True, "hybrid": True,
                        "flatness_full": True, "flatness_hybrid": True}
-    paths = {"a", "c_call", "s", "b", "c_batch", "b_slot", "b_call", "b_nolane"}
+    paths = {"a", "c_call", "s", "b", "c_batch", "b_slot", "b_call"}
     for config in ("full", "hybrid"):
         assert set(result["timing"][config]["runs_ns"]) == paths
         assert (f"cross-check [{config}]: final block tables and free queues identical across "

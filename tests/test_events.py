@@ -167,8 +167,7 @@ def test_subscriber_rebuilds_the_cached_blocks(groups: dict[str, Any],
         view = view.apply(batch)
         assert view.matches(state)
         for key in state.manager_keys:
-            cache = state.group(key).cache
-            assert cache is not None and view.cached(key) == cache.cached()
+            assert view.cached(key) == state.pool_of(key).cached(key)
             assert view.num_cached_blocks(key) == kf.num_cached_blocks(state, key)
     assert view == CachedBlocksView.of_state(engine.state)
 

@@ -76,9 +76,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         return refs
 
     def _cached(self, key: str) -> set[int]:
-        cache = self.state.group(key).cache
-        assert cache is not None
-        return {b for blocks in cache.cached().values() for b in blocks}
+        return {b for blocks in self.state.pool_of(key).cached(key).values() for b in blocks}
 
     def _commit(self, state: kf.KVState, delta: kf.BlocksChanged) -> None:
         """Fold ``delta``'s operations into the model (LRU order, block contents), in order.
@@ -118,9 +116,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @staticmethod
     def _cached_after(state: kf.KVState, key: str) -> set[int]:
-        cache = state.group(key).cache
-        assert cache is not None
-        return {b for blocks in cache.cached().values() for b in blocks}
+        return {b for blocks in state.pool_of(key).cached(key).values() for b in blocks}
 
     def _write(self, rid: int, start: int, end: int) -> None:
         """The engine writes tokens ``start .. end-1`` of ``rid``: no shared block is written."""
@@ -291,7 +287,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         for g in self.state.groups:
             assert self.cached[g.key] == self._cached(g.key)
-            free = g.free_block_ids()
+            free = self.state.pool_of(g.key).free_block_ids()
             cached_free = [b for b in free if b in self._cached(g.key)]
             assert cached_free == self.lru[g.key], f"{g.key}: {cached_free} != {self.lru[g.key]}"
             first = [b in self._cached(g.key) for b in free]
@@ -300,8 +296,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 def get_all(state: kf.KVState) -> Any:
     """Everything observable about a state, for the unchanged-history check."""
-    return [(g.key, dict(g.tables), g.free_block_ids(),
-             None if g.cache is None else g.cache.identity()) for g in state.groups]
+    return [state.identity(), [p.free_block_ids() for p in state.pools]]
 
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase

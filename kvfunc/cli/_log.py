@@ -42,7 +42,7 @@ from kvfunc.core import (
 
 __all__ = ["LOG_VERSION", "DeltaLogWriter", "ReplayFailed", "state_content", "verify_log"]
 
-LOG_VERSION = 1
+LOG_VERSION = 2
 _COLUMNS = BlocksChanged.FIELDS[1:]
 _HASH_COLUMNS = frozenset({"stored_hashes", "stored_parent_hashes", "evicted_hashes"})
 
@@ -52,15 +52,17 @@ class ReplayFailed(Exception):
 
 
 def state_content(state: KVState) -> list[dict[str, Any]]:
-    """What a log's final record holds: per group, tables, free queue order, detached count.
+    """What a log's final record holds: per group, tables, its pool's free queue and detached count.
 
     >>> from kvfunc.core import FullAttention, allocate_slots
     >>> s = KVState.create({"f": FullAttention(num_blocks=4, block_size=4)}, 64)
     >>> state_content(allocate_slots(s, 7, 0, 5).state)
     [{'key': 'f', 'tables': [[7, [1, 2]]], 'free': [3], 'detached': 0}]
     """
+    pools = state.pools
     return [{"key": g.key, "tables": [[rid, list(t)] for rid, t in g.tables.items()],
-             "free": list(g.free_block_ids()), "detached": g.num_detached}
+             "free": list(pools[g.pool].free_block_ids()),
+             "detached": pools[g.pool].num_detached()}
             for g in state.groups]
 
 
@@ -68,9 +70,11 @@ def _header(state: KVState, meta: dict[str, Any]) -> dict[str, Any]:
     # Policies are attrs classes; the Policy protocol does not say so.
     groups = [{"key": g.key, "policy": g.policy.attn_type,
                "params": attrs.asdict(cast(Any, g.policy))} for g in state.groups]
+    pools = [{"name": p.name, "members": list(p.members)} for p in state.pools]
+    order = "vllm" if state.pools and state.pools[0].linked else "seed"
     return {"kvfunc_delta_log": LOG_VERSION, "delta_version": DELTA_VERSION,
             "max_model_len": state.max_model_len, "prefix_caching": state.prefix_caching,
-            "groups": groups, "meta": meta}
+            "free_order": order, "groups": groups, "pools": pools, "meta": meta}
 
 
 def _to_json(name: str, value: Any) -> Any:
@@ -133,10 +137,15 @@ def _malformed(path: str, line: int, what: str) -> CLIError:
                     "--record?")
 
 
+def _is(value: object, want: int) -> bool:
+    """``value`` is the int ``want`` (a bool or a float equal to it is not)."""
+    return type(value) is int and value == want
+
+
 def _initial_state(header: object, path: str) -> KVState:
-    if not isinstance(header, dict) or header.get("kvfunc_delta_log") != LOG_VERSION:
+    if not isinstance(header, dict) or not _is(header.get("kvfunc_delta_log"), LOG_VERSION):
         raise _malformed(path, 1, f"not a kvfunc delta log header (version {LOG_VERSION})")
-    if header.get("delta_version") != DELTA_VERSION:
+    if not _is(header.get("delta_version"), DELTA_VERSION):
         msg = f"delta version {header.get('delta_version')!r}, this kvfunc reads {DELTA_VERSION}"
         raise _malformed(path, 1, msg)
     try:
@@ -147,7 +156,9 @@ def _initial_state(header: object, path: str) -> KVState:
         check_state_size(sizes, fix="this log's cache is larger than kvfunc replays")
         policies = {g["key"]: policy_class(g["policy"])(**g["params"]) for g in groups}
         caching = header.get("prefix_caching", False)
-        return KVState.create(policies, header["max_model_len"], enable_prefix_caching=caching)
+        layout = {p["name"]: p["members"] for p in header["pools"]}
+        return KVState.create(policies, header["max_model_len"], enable_prefix_caching=caching,
+                              layout=layout, free_order=header.get("free_order", "seed"))
     except (KeyError, TypeError, ValueError) as exc:
         raise _malformed(path, 1, f"the header does not rebuild a state ({show(str(exc))})"
                          ) from None
@@ -187,6 +198,8 @@ class _Reader:
             except (ValueError, RecursionError):
                 raise _malformed(self.path, self.line, "not valid JSON") from None
             if isinstance(record, dict) and "final" in record:
+                if not isinstance(record["final"], dict):
+                    raise _malformed(self.path, self.line, "the final record is not an object")
                 self.final = record["final"]
                 if next(lines, None) is not None:
                     raise _malformed(self.path, self.line + 1, "text after the final record")
@@ -304,7 +317,7 @@ def verify_log(path: str | Path) -> tuple[KVState, int]:
         msg = (f"{name}: the log ends at line {reader.line} without its final-state record; "
                "was the run that wrote it interrupted?")
         raise CLIError(msg)
-    if reader.final.get("num_deltas") != count:
+    if not _is(reader.final.get("num_deltas"), count):
         raise ReplayFailed(f"the log holds {count} deltas, its final record says "
                            f"{reader.final.get('num_deltas')!r}")
     _compare(state_content(final), reader.final.get("groups"), name)

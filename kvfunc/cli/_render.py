@@ -205,5 +205,6 @@ def usage_summary(state: KVState) -> dict[str, dict[str, int]]:
     >>> usage_summary(KVState.create({"f": FullAttention(num_blocks=577, block_size=16)}, 64))
     {'f': {'used': 0, 'usable': 576}}
     """
-    return {g.key: {"used": g.policy.num_blocks - 1 - g.num_free,
-                    "usable": g.policy.num_blocks - 1} for g in state.groups}
+    pools = state.pools
+    return {g.key: {"used": pools[g.pool].num_blocks - 1 - pools[g.pool].num_free,
+                    "usable": pools[g.pool].num_blocks - 1} for g in state.groups}

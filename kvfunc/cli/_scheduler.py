@@ -91,7 +91,7 @@ class Scheduler:
     ...               SchedulerConfig(max_batched_tokens=512))
     >>> while s.step():
     ...     pass
-    >>> s.finished, s.generated_tokens, s.steps, s.state.groups[0].num_free
+    >>> s.finished, s.generated_tokens, s.steps, s.state.pools[0].num_free
     (2, 5, 3, 63)
     """
 
@@ -100,10 +100,8 @@ class Scheduler:
                  ) -> None:
         self.state = state
         self.config = config
-        # An empty state to check that a request fits at all.  Without a prefix cache: an
-        # early snapshot of a caching lineage pays for the index the lineage grew since.
-        self._fresh = state if not state.prefix_caching else KVState.create(
-            {g.key: g.policy for g in state.groups}, state.max_model_len)
+        # The empty state, to check that a request fits at all.
+        self._fresh = state
         self._on_delta = on_delta
         #: Block hashes, lookups and hit counters; None without prefix caching.
         self.prefix = prefix
@@ -127,7 +125,7 @@ class Scheduler:
         self.finished = self.preemptions = self.refused_allocations = 0
         self.prefill_tokens = self.recomputed_tokens = self.generated_tokens = 0
         self.prompt_tokens = 0  # prompts of the requests admitted (first admissions)
-        self._capacity = [g.policy.num_blocks - 1 for g in state.groups]
+        self._capacity = [state.pools[g.pool].num_blocks - 1 for g in state.groups]
         #: Per group, blocks held after each step (the null block excluded).
         self.usage: list[list[int]] = [[] for _ in state.groups]
         #: After each step: requests waiting and running, and running totals of
@@ -299,8 +297,9 @@ class Scheduler:
         self.times.append(self.clock)
         self.alloc_s.append(self._spent)
         capacity = self._capacity
+        pools = self.state.pools
         for i, g in enumerate(self.state.groups):
-            self.usage[i].append(capacity[i] - g.num_free)
+            self.usage[i].append(capacity[i] - pools[g.pool].num_free)
         self._record()
         return True
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any
 
+import attrs
+
 from kvfunc.compat._managers import SingleTypeKVCacheManager
 from kvfunc.compat._store import Store
 from kvfunc.core import (
@@ -70,7 +72,7 @@ class KVCacheManager:
         self.num_managers = len(managers)
         self.cache_info = cache_info
         self.is_mla_backend = bool(getattr(cache_info, "is_mla_backend", False))
-        self._store = Store(KVState(max_model_len, tuple(m._group_state() for m in managers)))
+        self._store = Store(_compose(max_model_len, managers))
         for i, m in enumerate(managers):
             m._bind(self._store, i)
         self._abstract = tuple(m.manager_key for m in managers if type(m)._abstract)
@@ -119,12 +121,10 @@ class KVCacheManager:
     # -- queries --------------------------------------------------------------
     def get_block_ids(self, request_id: Any) -> dict[str, list[int]]:
         """``{manager_key: block ids}`` in manager order (snapshot lists)."""
-        tr = self._store.tr
-        slot = tr.slots.get(request_id)
+        check_request_id(request_id)
         out = {}
-        for view in tr.views:
-            rows = view.rows
-            row = rows[slot] if slot is not None and slot < len(rows) else None
+        for view in self._store.tr.views:
+            row = view.rows.get(request_id)
             out[view.key] = [] if row is None else list(row_table(row))
         return out
 
@@ -147,8 +147,9 @@ class KVCacheManager:
 
     def format_usage(self) -> str:
         """``"key:used/num_blocks,..."``; the null block counts as used."""
-        return usage_string((g.key, g.policy.num_blocks, g.count)
-                            for g in self._store.tr.all_copies())
+        tr = self._store.tr
+        return usage_string((g.key, g.policy.num_blocks, tr.free_count(tr.group_pool[i]))
+                            for i, g in enumerate(tr.views))
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int], list[str],
                                                 list[int]]:
@@ -189,4 +190,12 @@ class KVCacheManager:
 
     def __repr__(self) -> str:
         return f"KVCacheManager(max_model_len={self.max_model_len}, usage={self.format_usage()!r})"
+
+
+def _compose(max_model_len: int, managers: tuple[SingleTypeKVCacheManager, ...]) -> KVState:
+    """One state holding every manager's group and pool (a pool per manager, in order)."""
+    parts = [m._parts() for m in managers]
+    groups = tuple(attrs.evolve(g, pool=i) for i, (g, _) in enumerate(parts))
+    seq = max((m._store.tr.seq for m in managers), default=0)
+    return KVState(max_model_len, tuple(p for _, p in parts), groups, seq)
 

@@ -30,7 +30,7 @@ from kvfunc.core import (
 from kvfunc.core._internal import (
     GroupCopy,
     check_request_id,
-    extend_row,
+    excerpt,
     free_into,
     group_cache_entries,
     recycle_into,
@@ -97,15 +97,16 @@ class SingleTypeKVCacheManager:
     def _group(self) -> GroupCopy:
         return self._store.tr.copy(self._index)
 
-    def _group_state(self) -> GroupState:
-        return self._group.freeze()
+    def _parts(self) -> tuple[GroupState, Any]:
+        """This manager's group and pool as values (a ``KVCacheManager`` composes them)."""
+        state = self._store.state
+        return state.groups[self._index], state.pools[state.groups[self._index].pool]
 
     @property
     def req_to_blocks(self) -> Mapping[Any, list[int]]:
         """Read-only snapshot: request id -> block ids (zero-block registrations too)."""
-        g = self._group
-        return types.MappingProxyType({r: list(row_table(row)) for r, slot in g.slots.slots.items()
-                                       if (row := g.row(slot)) is not None})
+        rows = self._group.items()
+        return types.MappingProxyType({r: list(row_table(row)) for r, row in rows})
 
     def pre_allocate_blocks(self, request_id: Any, num_tokens: int,
                             reserved_tokens: int = 0) -> tuple[int, bool]:
@@ -116,13 +117,13 @@ class SingleTypeKVCacheManager:
             msg = f"reserved_tokens must be a non-negative int, but got {reserved_tokens!r}"
             raise InvalidArgumentError(msg)
         g = self._group
-        table = g.table(request_id) or ()
-        _, need = g.policy.plan_blocks(len(table), num_tokens)
-        reserve = g.policy.num_reserved_blocks(reserved_tokens, g.num_rows)
-        ok = need <= g.count - reserve
+        row = g.row(request_id)
+        _, need = g.policy.plan_blocks(0 if row is None else row.length, num_tokens)
+        reserve = g.policy.num_reserved_blocks(reserved_tokens, len(g.rows))
+        ok = need <= g.pool.count - reserve
         if not ok:
             logger.debug("%s: request %r needs %d blocks, %d free, %d reserved",
-                         self.manager_key, request_id, need, g.count, reserve)
+                         self.manager_key, request_id, need, g.pool.count, reserve)
         return need, bool(ok)
 
     def allocate_new_blocks(self, request_id: Any, block_num_to_allocate: int,
@@ -136,8 +137,7 @@ class SingleTypeKVCacheManager:
         check_request_id(request_id)
         g = self._group
         take_check(g, block_num_to_allocate)
-        slot = g.slots.slot_of(request_id)
-        row = g.row(slot)
+        row = g.row(request_id)
         nulls = 0
         if (row is None or not row.length) and g.window is not None:
             if num_tokens is None:
@@ -149,8 +149,11 @@ class SingleTypeKVCacheManager:
                 msg = ("Sliding-window block table length mismatch after prefill allocation: "
                        f"got={nulls + block_num_to_allocate}, expected={nulls + expected}")
                 raise InvalidArgumentError(msg)
-        ids = g.take(block_num_to_allocate) if block_num_to_allocate else []
-        g.put(slot, extend_row(row if row is not None else g.register(request_id), ids, nulls))
+        tr = self._store.tr
+        if row is None:
+            row = g.register(request_id, tr.seq)
+            tr.seq += 1
+        g.put(request_id, g.grow(request_id, row, block_num_to_allocate, nulls))
 
     def free(self, request_id: Any) -> None:
         """Release the request's blocks in logical order; unknown ids are a no-op."""
@@ -159,11 +162,13 @@ class SingleTypeKVCacheManager:
 
     def get_blocks(self, request_id: Any) -> list[int]:
         """A snapshot list of the request's block ids (``[]`` when unknown)."""
-        return list(self._group.table(request_id) or ())
+        check_request_id(request_id)
+        row = self._group.row(request_id)
+        return [] if row is None else list(row_table(row))
 
     def get_num_free_blocks(self) -> int:
         """Free blocks in this manager's pool."""
-        return self._group.count
+        return self._group.pool.count
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens that no longer need KV once this many are computed."""
@@ -172,6 +177,10 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: Any, total_computed_tokens: int) -> None:
         """Null the blocks that slid out and free them, highest index first."""
         check_request_id(request_id)
+        if type(total_computed_tokens) is not int or total_computed_tokens < 0:
+            msg = (f"total_computed_tokens must be a non-negative int, but got "
+                   f"{excerpt(total_computed_tokens)}")
+            raise InvalidTypeError(msg)
         skipped = self.get_num_skipped_tokens(total_computed_tokens)
         if skipped <= 0:
             return

@@ -24,7 +24,7 @@ from kvfunc.core import (
     KVState,
     OutOfBlocksError,
 )
-from kvfunc.core._internal import GroupCopy, Transient
+from kvfunc.core._internal import GroupCopy, PoolCopy, Transient, excerpt
 
 __all__ = ["BlockPool", "Store"]
 
@@ -48,8 +48,8 @@ class Store:
         if not isinstance(state, KVState):
             msg = f"restore() needs a KVState, got {type(state).__name__}"
             raise InvalidTypeError(msg)
-        mine = [(g.key, g.policy) for g in current.groups]
-        theirs = [(g.key, g.policy) for g in state.groups]
+        mine = [(g.key, g.policy, g.pool) for g in current.groups]
+        theirs = [(g.key, g.policy, g.pool) for g in state.groups]
         if mine != theirs or state.max_model_len != current.max_model_len:
             msg = f"cannot restore a state with groups {theirs} into a manager with {mine}"
             raise InvalidArgumentError(msg)
@@ -103,17 +103,17 @@ class BlockPool:
         return pool
 
     @property
-    def _group(self) -> GroupCopy:
-        return self._store.tr.copy(self._index)
+    def _pool(self) -> PoolCopy:
+        return self._store.tr.copy(self._index).pool
 
     @property
     def _free_block_queue(self) -> tuple[int, ...]:
         """Free ids in hand-out order (a read-only snapshot)."""
-        return tuple(self._group.free_ids())
+        return tuple(self._pool.free_ids())
 
     def get_num_free_blocks(self) -> int:
         """Number of free blocks (the null block never counts)."""
-        return self._group.count
+        return self._pool.count
 
     def get_null_block(self) -> int:
         """The null block's id: always 0."""
@@ -129,10 +129,10 @@ class BlockPool:
         The blocks are held by no request until a manager attaches them; the
         state counts them as detached.
         """
-        g = self._group
-        take_check(g, num_blocks)
-        ids = g.take(num_blocks)
-        g.detached += num_blocks
+        pool = self._pool
+        take_check(pool, num_blocks)
+        ids = pool.take(num_blocks)
+        pool.detach(ids)
         return ids
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
@@ -141,11 +141,13 @@ class BlockPool:
         Unlike the seed, the call is atomic: every id is checked (range, not
         already free, not held by a request) before any is freed.
         """
+        if isinstance(block_ids, str | bytes) or not isinstance(block_ids, Iterable):
+            msg = f"block_ids must be an iterable of block ids, but got {excerpt(block_ids)}"
+            raise InvalidTypeError(msg)
         ids = list(block_ids)
-        g = self._group
-        free = set(g.free_ids())
-        rows = [g.row(i) for i in range(len(g.rows))]
-        held = {b for r in rows if r is not None for b in r.ids[r.nulls:r.length]}
+        pool = self._pool
+        free = set(pool.free_ids())
+        detached = dict(pool.detached.items())
         to_free: list[int] = []
         for b in ids:
             _check_block_id(b, self.num_blocks)
@@ -154,22 +156,24 @@ class BlockPool:
             if b in free:
                 msg = f"block_id {b} is already free"
                 raise DoubleFreeError(msg)
-            if b in held:
+            if not detached.get(b):
                 msg = f"block_id {b} is held by a request; free the request instead"
                 raise InvalidArgumentError(msg)
             free.add(b)
+            detached[b] -= 1
             to_free.append(b)
-        g.free(to_free)
-        g.detached -= len(to_free)
+        pool.attach(to_free)
+        pool.free(to_free, self._store.tr.views[self._index].key)
 
 
-def take_check(g: GroupCopy, num_blocks: Any) -> None:
+def take_check(g: GroupCopy | PoolCopy, num_blocks: Any) -> None:
     """The seed's ``get_new_blocks`` argument checks, before anything is taken."""
     if type(num_blocks) is not int:
         msg = f"num_blocks must be an int, but got {num_blocks!r}"
         raise InvalidTypeError(msg)
     if num_blocks < 0:
         raise InvalidArgumentError("num_blocks must be non-negative")
-    if num_blocks > g.count:
-        msg = f"requested {num_blocks} blocks, but only {g.count} are available"
+    pool = g if isinstance(g, PoolCopy) else g.pool
+    if num_blocks > pool.count:
+        msg = f"requested {num_blocks} blocks, but only {pool.count} are available"
         raise OutOfBlocksError(msg)

@@ -6,11 +6,13 @@ modules, by what they hold:
 * metadata and sizing: ``_cache_info``, ``_dtypes``, ``_validate``, ``_sizing``,
   ``_sizing_config``;
 * policies (one per attention type): ``_policy``;
-* the state: ``_state`` (values), ``_rows`` (block tables), ``_pool`` (the
-  free queue), ``_cache`` (reference counts and the hash store),
-  ``_invariants``;
-* working copies and their primitives: ``_group``, ``_cache_group``;
-* the step and its folds: ``_step``, ``_fold``, ``_transitions``;
+* the state: ``_state`` (the state, its layouts and its working copy),
+  ``_group`` (a group's rows and primitives), ``_rows`` (block tables),
+  ``_pool`` (the block pool: free queue, reference counts, hash index,
+  eviction order), ``_queue`` (the free queues), ``_invariants``;
+* the step and its folds, in the order a request travels: ``_transitions``
+  -> ``_fold`` -> ``_step`` -> ``_policy`` -> ``_group`` -> ``_pool`` ->
+  ``_delta``;
 * prefix caching: ``_hashing``, ``_prefix``, ``_prefix_ops``;
 * deltas and replay: ``_ops`` (the operation records), ``_delta``, ``_replay``;
 * argument checks and errors: ``_checks``, ``_errors``.
@@ -18,7 +20,6 @@ modules, by what they hold:
 ``kvfunc.core._internal`` names what the compat facade and the shell build on.
 """
 
-from kvfunc.core import _cache_group  # noqa: F401  (registers the caching working copy)
 from kvfunc.core._cache_info import (
     CacheAllocator,
     CacheEntry,
@@ -50,6 +51,7 @@ from kvfunc.core._errors import (
     UnknownRequestError,
 )
 from kvfunc.core._fold import SlotRequest
+from kvfunc.core._group import GroupState
 from kvfunc.core._hashing import HASH_FUNCTIONS, BlockHash, BlockHashes, hash_function
 from kvfunc.core._invariants import check_invariants
 from kvfunc.core._ops import (
@@ -75,6 +77,7 @@ from kvfunc.core._policy import (
     register_policy,
     registered_attn_types,
 )
+from kvfunc.core._pool import PoolState
 from kvfunc.core._prefix import PrefixHit, lookup_prefix
 from kvfunc.core._prefix_ops import (
     PrefixCacheStats,
@@ -88,7 +91,7 @@ from kvfunc.core._sizing import (
     calculate_block_num,
     calculate_fixed_block_memory_bytes,
 )
-from kvfunc.core._state import NULL_BLOCK, BlockId, GroupState, KVState, RequestId
+from kvfunc.core._state import LAYOUTS, NULL_BLOCK, BlockId, KVState, RequestId
 from kvfunc.core._transitions import (
     AllocationResult,
     BatchResult,
@@ -112,6 +115,7 @@ __all__ = [
     "DELTA_VERSION",
     "FIXED_BLOCK_ATTN_TYPES",
     "HASH_FUNCTIONS",
+    "LAYOUTS",
     "MAX_NUM_BLOCKS",
     "NULL_BLOCK",
     "SUPPORTED_CACHE_LAYOUTS",
@@ -154,6 +158,7 @@ __all__ = [
     "Operation",
     "OutOfBlocksError",
     "Policy",
+    "PoolState",
     "PrefixCacheStats",
     "PrefixHit",
     "Registered",

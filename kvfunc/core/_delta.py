@@ -60,7 +60,7 @@ __all__ = [
     "BlocksChanged", "DeltaBuilder", "family_rows",
 ]
 
-DELTA_VERSION = 2
+DELTA_VERSION = 3
 COPY_INTO_NEW = -1
 COPY_SAVED = -2
 
@@ -98,7 +98,7 @@ class _Column(Generic[_T]):
     def __get__(self, obj: BlocksChanged, owner: type) -> _T: ...
 
     def __get__(self, obj: BlocksChanged | None, owner: type) -> Any:
-        return self if obj is None else obj._columns[self.index]
+        return self if obj is None else obj.columns()[self.index]
 
 
 class BlocksChanged:
@@ -118,13 +118,14 @@ class BlocksChanged:
     [Registered(key='full', request_id='r1'), Appended(key='full', request_id='r1', block_id=1)]
     """
 
-    __slots__ = ("_columns", "order", "version")
+    __slots__ = ("_columns", "_rows", "order", "version")
 
     #: Every field, in order: the constructor's keywords and what a log records.
     FIELDS: ClassVar[tuple[str, ...]]
     version: int
     order: str
-    _columns: tuple[tuple[Any, ...], ...]
+    _columns: tuple[tuple[Any, ...], ...] | None
+    _rows: dict[str, list[tuple[Any, ...]]] | None  # a builder's rows, trusted
 
     registered_keys: _Column[tuple[str, ...]] = _Column()
     registered_request_ids: _Column[tuple[int | str, ...]] = _Column()
@@ -172,15 +173,30 @@ class BlocksChanged:
         _set(self, "version", version)
         _set(self, "order", _codes(order))
         _set(self, "_columns", tuple(cols))
+        _set(self, "_rows", None)
 
     @classmethod
-    def _of(cls, order: str, columns: tuple[tuple[Any, ...], ...]) -> BlocksChanged:
-        """A delta of this version from its order and every column (no checks: the builder's)."""
+    def _of(cls, order: str, rows: dict[str, list[tuple[Any, ...]]]) -> BlocksChanged:
+        """A delta of this version from a builder's rows (columns are built when first read)."""
         d = object.__new__(cls)
         _set(d, "version", DELTA_VERSION)
         _set(d, "order", order)
-        _set(d, "_columns", columns)
+        _set(d, "_columns", None)
+        _set(d, "_rows", rows)
         return d
+
+    def columns(self) -> tuple[tuple[Any, ...], ...]:
+        """Every column, in :data:`COLUMN_NAMES` order."""
+        cols = self._columns
+        if cols is None:
+            out: list[tuple[Any, ...]] = []
+            rows = self._rows or {}
+            for code in COLUMNS:
+                family = rows.get(code)
+                out.extend(zip(*family, strict=True) if family else _NONE[code])
+            cols = tuple(out)
+            _set(self, "_columns", cols)
+        return cols
 
     def __setattr__(self, name: str, value: object) -> None:
         raise attrs.exceptions.FrozenInstanceError
@@ -191,20 +207,20 @@ class BlocksChanged:
     def __eq__(self, other: object) -> bool:
         if type(other) is not BlocksChanged:
             return NotImplemented
-        return (self.version, self.order, self._columns) == (other.version, other.order,
-                                                               other._columns)
+        return (self.version, self.order, self.columns()) == (other.version, other.order,
+                                                                other.columns())
 
     def __hash__(self) -> int:
-        return hash((self.version, self.order, self._columns))
+        return hash((self.version, self.order, self.columns()))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self.version, self.order, self._columns))
+        return (_rebuild, (self.version, self.order, self.columns()))
 
     def __repr__(self) -> str:
         shown = [f"version={self.version!r}"]
         if self.order:
             shown.append(f"order={self.order!r}")
-        shown += [f"{name}={col!r}" for name, col in zip(COLUMN_NAMES, self._columns, strict=True)
+        shown += [f"{name}={col!r}" for name, col in zip(COLUMN_NAMES, self.columns(), strict=True)
                   if col]
         return f"BlocksChanged({', '.join(shown)})"
 
@@ -221,13 +237,19 @@ class BlocksChanged:
                 of different lengths, an ``order`` that does not name every row
                 exactly once).
         """
-        rows = family_rows(self)
+        rows = self._rows if self._rows is not None else family_rows(self)
         cursor = dict.fromkeys(rows, 0)
         new = tuple.__new__
         for code in self.order:
             i = cursor[code]
             cursor[code] = i + 1
             yield new(RECORDS[code], rows[code][i])
+
+    def rows(self, code: str) -> list[tuple[Any, ...]]:
+        """The rows of one family (its code, see the module docstring), in order."""
+        if self._rows is not None:
+            return self._rows.get(code, [])
+        return family_rows(self)[code]
 
     def new_block_ids(self, key: str) -> tuple[int, ...]:
         """Blocks taken from ``key``'s free queue for table entries, in order (for zeroing).
@@ -251,8 +273,11 @@ assert all(getattr(BlocksChanged, n).index == i for i, n in enumerate(COLUMN_NAM
 
 
 def _rebuild(version: int, order: str, columns: tuple[tuple[Any, ...], ...]) -> BlocksChanged:
-    d = BlocksChanged._of(order, columns)
+    d = object.__new__(BlocksChanged)
     _set(d, "version", version)
+    _set(d, "order", order)
+    _set(d, "_columns", columns)
+    _set(d, "_rows", None)
     return d
 
 
@@ -311,19 +336,13 @@ class DeltaBuilder:
         return rows
 
     def build(self) -> BlocksChanged:
-        """Freeze the collected rows into one columnar record."""
+        """Freeze the collected rows into one record (its columns are built when read)."""
         if not self.order:
             return EMPTY_DELTA
-        columns: list[tuple[Any, ...]] = []
-        made = self.made
-        for code, prefix, _ in FAMILIES:
-            rows = getattr(self, prefix) if prefix in made else None
-            if rows:
-                columns.extend(zip(*rows, strict=True))
-            else:
-                columns.extend(_NONE[code])
-        return BlocksChanged._of("".join(self.order), tuple(columns))
+        rows = {_CODE[prefix]: getattr(self, prefix) for prefix in self.made}
+        return BlocksChanged._of("".join(self.order), rows)
 
 
 _FAMILY_NAMES = frozenset(prefix for _, prefix, _ in FAMILIES)
+_CODE = {prefix: code for code, prefix, _ in FAMILIES}
 _NONE = {code: (_EMPTY,) * len(names) for code, names in COLUMNS.items()}

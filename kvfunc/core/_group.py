@@ -1,264 +1,301 @@
-"""Working copies: what one transition (or the compat facade) edits, then freezes.
+"""A group: one attention type's block tables and policy, drawing blocks from one pool.
 
-Transitions never touch a published :class:`~kvfunc.KVState`.  They open a
-:class:`Transient` on it; a group's :class:`GroupCopy` is made on its first
-write (the rows turn into a vector evolver, the ring into a
-:class:`~kvfunc.core._pool.RingCopy`), and :meth:`Transient.freeze` hands the
-edits over to a new state.  Freezing marks the working copies shared again,
-so the same transient can go on being edited: the compat facade keeps one
-between calls and materialises a state only when asked.
+Theory of operation
+-------------------
+A :class:`GroupState` is a value: its manager key, its policy, the index of
+the pool it draws from, and its rows (``immutables.Map``, request id ->
+:class:`~kvfunc.core._rows.Row`).  It holds no block ids of its own: every
+block comes from and goes back to its pool (``_pool``).
 
-A :class:`GroupCopy` offers the *primitives* of every transition: register,
-drop, take, free, recycle, append.  Each one records its rows in the
-transition's :class:`~kvfunc.core._delta.DeltaBuilder` (when there is one)
-in the order it acts, so the delta is the transition's exact log and replay
-runs the same primitives.  Prefix caching is a strategy of the group: the
-caching working copy (``_cache_group``) overrides how blocks are taken,
-freed and shared (reference counts, the hash store, the eviction order)
-and adds storing; the step in ``_step`` calls the same primitives either way.
+:class:`GroupCopy` is the working copy one transition edits.  It offers the
+*primitives* of every transition -- register, release, recycle, grow, share,
+copy-on-write, store -- and each one records its delta rows in the order it
+acts, asking the pool for blocks as it goes (group -> pool -> delta), so a
+delta is the transition's exact log and replay runs the same primitives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvfunc.core._delta import DeltaBuilder
-from kvfunc.core._policy import Policy
-from kvfunc.core._pool import RingCopy
-from kvfunc.core._rows import EMPTY_ROW, Row, SlotMap, extend_row, row_of, row_table
-from kvfunc.core._state import GroupState, KVState, find_group, reslot
+import attrs
+import immutables
 
-__all__ = ["CACHING_KIND", "GroupCopy", "Transient"]
+from kvfunc.core._delta import COPY_SAVED, DeltaBuilder
+from kvfunc.core._policy import KEEPS_ALL, Policy, skip_mode
+from kvfunc.core._pool import PoolCopy, cache_key
+from kvfunc.core._rows import Row, TablesView, leading_nulls, row_table
+
+__all__ = ["GroupCopy", "GroupState"]
 
 _new = tuple.__new__
-_set = object.__setattr__
+
+
+@attrs.frozen(slots=True, eq=False)
+class GroupState:
+    """One manager key's block tables and policy (see the module docstring)."""
+
+    key: str
+    policy: Policy
+    pool: int
+    rows: immutables.Map[Any, Row]
+    #: ``(block_size, grows_with_tokens, skip mode, window)``, read once per step
+    traits: tuple[int, bool, int, int | None] = attrs.field(eq=False, repr=False)
+
+    @traits.default
+    def _traits(self) -> tuple[int, bool, int, int | None]:
+        p = self.policy
+        return (p.block_size, p.grows_with_tokens, skip_mode(p), p.window)
+
+    @property
+    def num_rows(self) -> int:
+        """Registered requests."""
+        return len(self.rows)
+
+    def row(self, request_id: object) -> Row | None:
+        """The request's row, or None when it is not registered here."""
+        try:
+            return self.rows.get(request_id)
+        except TypeError:  # unhashable: never a request id
+            return None
+
+    def table(self, request_id: object) -> tuple[int, ...]:
+        """The request's block ids in logical order (null entries are 0; ``()`` when unknown)."""
+        row = self.row(request_id)
+        return () if row is None else row_table(row)
+
+    @property
+    def tables(self) -> Mapping[Any, tuple[int, ...]]:
+        """Every registered request's table in registration order (a mapping built on access)."""
+        return TablesView(self.rows)
+
+    def num_held(self) -> int:
+        """Distinct non-null blocks held by this group's tables."""
+        return len({b for row in self.rows.values() for b in row.blocks})
+
+    def identity(self) -> tuple[Any, ...]:
+        """What equality compares: key, policy, pool and every table (the counters are hints)."""
+        rows = {rid: (row.blocks, row.nulls) for rid, row in self.rows.items()}
+        return (self.key, self.policy, self.pool, rows)
+
+    def __repr__(self) -> str:
+        return (f"GroupState(key={self.key!r}, policy={self.policy!r}, pool={self.pool}, "
+                f"tables={dict(self.tables)!r})")
 
 
 class GroupCopy:
     """The working copy of one group (see the module docstring)."""
 
-    __slots__ = ("block_size", "changed", "count", "detached", "grows", "key", "num_rows",
-                 "policy", "ring", "rows", "sink", "slots", "src", "window")
+    __slots__ = ("block_size", "caching", "changed", "grows", "key", "member", "mode", "policy",
+                 "pool", "rows", "sink", "src", "tag", "traits", "window")
 
-    caching = False
-
-    def __init__(self, group: GroupState, sink: DeltaBuilder | None) -> None:
-        policy: Policy = group.policy
+    def __init__(self, group: GroupState, pool: PoolCopy, sink: DeltaBuilder | None) -> None:
+        policy = group.policy
         self.src = group
         self.key = group.key
         self.policy = policy
-        self.block_size: int = policy.block_size
-        self.window: int | None = policy.window
-        self.grows: bool = policy.grows_with_tokens
-        self.slots: SlotMap = group.slots
-        self.rows: Any = group.rows.evolver()  # kept for the copy's life (freezing reuses it)
-        self.num_rows = group.num_rows
-        self.ring = RingCopy(group.free_ring, group.free_head)
-        self.count = group.num_free
-        self.detached = group.num_detached
+        self.traits = group.traits
+        self.block_size, self.grows, self.mode, self.window = group.traits
+        self.pool = pool
+        self.caching = pool.caching
+        self.member = pool.members.index(group.key)
+        self.tag = pool.tag(self.member)
+        self.rows: Any = group.rows.mutate()
         self.sink = sink
         self.changed = False
 
-    # -- rows -------------------------------------------------------------------
-    def row(self, slot: int) -> Row | None:
-        """The row at ``slot`` (None: not registered here)."""
-        rows = self.rows
-        return rows[slot] if slot < len(rows) else None
+    # -- rows ---------------------------------------------------------------------------
+    def row(self, request_id: Any) -> Row | None:
+        """The request's row (None: not registered here)."""
+        found: Row | None = self.rows.get(request_id)
+        return found
 
-    def put(self, slot: int, row: Row) -> None:
-        """Bind the row at ``slot``."""
-        rows = self.rows
-        if slot >= len(rows):
-            rows.extend([None] * (slot + 1 - len(rows)))
-        if rows[slot] is None:
-            self.num_rows += 1
-        rows[slot] = row
+    def items(self) -> list[tuple[Any, Row]]:
+        """Every ``(request id, row)`` now, in registration order (O(rows); not the hot path)."""
+        rows = self.rows.finish()
+        self.rows = rows.mutate()
+        return sorted(rows.items(), key=lambda kv: kv[1].seq)
+
+    def put(self, request_id: Any, row: Row) -> None:
+        """Bind the request's row."""
+        self.rows[request_id] = row
         self.changed = True
 
-    def register(self, request_id: int | str) -> Row:
-        """Record a registration; the caller puts the request's row."""
-        if self.sink is not None:
-            self.sink.registered.append((self.key, request_id))
-            self.sink.order.append("R")
-        return EMPTY_ROW
+    def register(self, request_id: Any, seq: int) -> Row:
+        """An empty row for a new request (the caller puts it); records R."""
+        sink = self.sink
+        if sink is not None:
+            sink.registered.append((self.key, request_id))
+            sink.order.append("R")
+        return Row((), 0, 0, 0, seq)
 
-    def drop(self, slot: int, request_id: int | str) -> Row:
-        """Remove and return the row at ``slot`` (its blocks are the caller's to free)."""
-        rows = self.rows
-        row: Row = rows[slot]
-        rows[slot] = None
-        self.num_rows -= 1
-        self.changed = True
-        if self.sink is not None:
-            self.sink.released.append((self.key, request_id))
-            self.sink.order.append("L")
-        return row
+    def release(self, request_id: Any) -> None:
+        """Drop the request's row and release its blocks; records L, then the pool's F rows.
 
-    # -- blocks -------------------------------------------------------------------
-    def take(self, n: int) -> list[int]:
-        """Pop ``n`` ids from the head of the free queue (the caller checked ``n <= count``)."""
-        self.count -= n
-        self.changed = True
-        return self.ring.pop(n)
-
-    def free(self, ids: Sequence[int]) -> None:
-        """Return blocks nobody holds to the free queue (the seed's tail), in order."""
-        if not ids:
-            return
-        ring = self.ring
-        ring.write((ring.head + self.count) % ring.cap, ids)
-        self.count += len(ids)
+        Without reference counts the blocks go back in logical order (the
+        seed's); with them, last block first, so a prefix's tail is evicted
+        before its head (vLLM's).
+        """
+        row: Row = self.rows.pop(request_id)
         self.changed = True
         sink = self.sink
         if sink is not None:
-            key = self.key
-            sink.freed.extend([(key, b) for b in ids])
-            sink.order.append("F" * len(ids))
+            sink.released.append((self.key, request_id))
+            sink.order.append("L")
+        self.pool.release(self.release_order(row), self.key)
 
-    def release(self, ids: Sequence[int]) -> None:
-        """Drop one holder of each block; free those nobody holds (all of them, here)."""
-        self.free(ids)
+    def release_order(self, row: Row) -> Sequence[int]:
+        """A released row's blocks in the order they are released (see :meth:`release`)."""
+        return row.blocks[::-1] if self.pool.linked else row.blocks
 
-    def free_ids(self) -> list[int]:
-        """Every free block in hand-out order (O(free); for checks and the compat pool)."""
-        return self.ring.entries(self.count)
-
-    def table(self, request_id: int | str) -> tuple[int, ...] | None:
-        """The request's block ids (null entries 0), or None when it is not registered here."""
-        row = row_of(self.rows, self.slots, request_id)
-        return None if row is None else row_table(row)
-
-    def reclaimable(self, row: Row, upto: int) -> int:
-        """Blocks that recycling positions ``row.nulls .. upto - 1`` returns to the queue."""
-        return upto - row.nulls
-
-    def release_order(self, row: Row) -> list[int]:
-        """A dropped row's blocks in the order they are freed: logical order (the seed's)."""
-        return row.ids[row.nulls:row.length]
-
-    def release_row(self, row: Row) -> None:
-        """Free a dropped row's blocks (see :meth:`release_order`)."""
-        self.release(self.release_order(row))
-
-    def recycle(self, request_id: int | str, row: Row, upto: int) -> Row:
-        """Null positions ``row.nulls .. upto - 1`` and free their blocks, highest index first."""
+    def recycle(self, request_id: Any, row: Row, upto: int) -> Row:
+        """Null positions ``row.nulls .. upto - 1``; release their blocks highest index first."""
         lo = row.nulls
+        k = upto - lo
         sink = self.sink
         if sink is not None:
             key = self.key
             sink.nulled.extend([(key, request_id, p) for p in range(lo, upto)])
-            sink.order.append("N" * (upto - lo))
-        new = _new(Row, (row.ids, row.length, upto, row.shared, row.stored))
-        self.release(row.ids[upto - 1:lo - 1 if lo else None:-1])
+            sink.order.append("N" * k)
+        blocks = row.blocks
+        new = _new(Row, (blocks[k:], upto, row.stored, row.shared, row.seq))
+        self.pool.release(blocks[k - 1::-1], self.key)
         return new
 
-    def grow(self, request_id: int | str, row: Row, need: int, nulls: int = 0) -> Row:
-        """Append ``nulls`` null entries, then ``need`` blocks taken from the free queue."""
-        ids = self.take(need) if need else []
+    def reclaimable(self, row: Row, upto: int) -> int:
+        """Blocks that recycling positions ``row.nulls .. upto - 1`` returns to the pool."""
+        k = upto - row.nulls
+        if not self.pool.linked:
+            return k
+        refs = self.pool.refs
+        return sum(1 for b in row.blocks[:k] if refs[b] == 1)
+
+    def grow(self, request_id: Any, row: Row, need: int, nulls: int = 0) -> Row:
+        """Append ``nulls`` null entries, then ``need`` blocks taken from the pool; records A."""
+        ids = self.pool.take(need) if need else []
         sink = self.sink
         if sink is not None:
             key = self.key
-            if nulls:
+            if need == 1 and not nulls:  # the common decode step
+                sink.appended.append((key, request_id, ids[0]))
+                sink.order.append("A")
+            else:
                 rows = [(key, request_id, 0)] * nulls
                 rows.extend([(key, request_id, b) for b in ids])
                 sink.appended.extend(rows)
                 sink.order.append("A" * len(rows))
-            elif need == 1:  # the common decode step
-                sink.appended.append((key, request_id, ids[0]))
-                sink.order.append("A")
-            else:
-                sink.appended.extend([(key, request_id, b) for b in ids])
-                sink.order.append("A" * need)
-        return extend_row(row, ids, nulls)
+        if nulls and row.blocks:
+            raise AssertionError("null entries only ever form a prefix of a table")
+        return _new(Row, (row.blocks + tuple(ids), row.nulls + nulls, row.stored, row.shared,
+                          row.seq))
 
-    # -- freezing -------------------------------------------------------------------
-    def freeze(self) -> GroupState:
-        """The group as an immutable value; the working copies become shared again."""
+    def share(self, request_id: Any, row: Row, entries: Sequence[int]) -> Row:
+        """Append ``entries`` by reference (0: a null entry, only as a prefix); records S / A.
+
+        A free cached block leaves the pool's queue.  ``stored`` advances over
+        the cached entries that follow the row's cached prefix, and
+        ``shared`` covers every entry.
+        """
+        pool, sink, key, caching = self.pool, self.sink, self.key, self.caching
+        n = row.length
+        lead = leading_nulls(entries) if n == row.nulls else 0
+        stored = max(row.stored, row.nulls + lead)
+        for p, b in enumerate(entries, n):
+            if b:
+                pool.share(b)
+                if p == stored and caching and pool.hash_of[b] is not None:
+                    stored = p + 1
+                if sink is not None:
+                    sink.shared.append((key, request_id, b))
+                    sink.order.append("S")
+            elif sink is not None:
+                sink.appended.append((key, request_id, 0))
+                sink.order.append("A")
+        real = tuple(entries[lead:])
+        length = n + len(entries)
+        return _new(Row, (row.blocks + real, row.nulls + lead, stored, length, row.seq))
+
+    def copy_on_write(self, request_id: Any, row: Row, position: int) -> Row:
+        """Give the request its own copy of the shared block at ``position``; records C."""
+        i = position - row.nulls
+        src = row.blocks[i]
+        (dst,) = self.pool.take(1)
+        sink = self.sink
+        if sink is not None:
+            sink.copied.append((self.key, request_id, position, src, dst))
+            sink.order.append("C")
+        self.pool.release((src,), self.key)
+        blocks = row.blocks[:i] + (dst,) + row.blocks[i + 1:]
+        stored = min(row.stored, position)  # the copy holds nothing cached yet
+        return _new(Row, (blocks, row.nulls, stored, row.shared, row.seq))
+
+    # -- the hash store -------------------------------------------------------------------
+    def lookup(self, digest: bytes) -> int | None:
+        """The first block cached under ``digest`` for this group, or None."""
+        return self.pool.find(cache_key(digest, self.tag))
+
+    def store(self, request_id: Any, row: Row, upto: int, hashes: Any) -> Row:
+        """Cache the row's full blocks from ``max(stored, nulls)`` to ``upto - 1``; records T.
+
+        ``hashes`` covers them (the caller checked); a block already cached
+        (one this request shares) is passed over.
+        """
+        p = row.stored if row.stored > row.nulls else row.nulls
+        pool, bs, nulls, tag = self.pool, self.block_size, row.nulls, self.tag
+        pool.writing()
+        m = bs // hashes.block_size
+        digests, tokens, hash_of = hashes._digests, hashes._tokens, pool.hash_of
+        blocks, sink, key = row.blocks, self.sink, self.key
+        for q in range(p, upto):
+            b = blocks[q - nulls]
+            if hash_of[b] is not None:
+                continue  # shared: cached already
+            h = digests[(q + 1) * m - 1]
+            pool.store(b, h if tag is None else h + tag)
+            if sink is not None:
+                sink.stored.append((key, request_id, q, b, h, digests[q * m - 1] if q else None,
+                                    tuple(tokens[q * bs:(q + 1) * bs])))
+                sink.order.append("T")
+        return _new(Row, (blocks, nulls, upto, row.shared if row.shared > upto else upto,
+                          row.seq))
+
+    def save_state(self, request_id: Any, row: Row, index: int, hashes: Any) -> None:
+        """Copy the request's state into a free block cached under hash ``index`` (once)."""
+        h = hashes._digests[index]
+        if self.lookup(h) is not None:
+            return
+        pool = self.pool
+        (dst,) = pool.take(1)
+        sink = self.sink
+        if sink is not None:
+            sink.copied.append((self.key, request_id, COPY_SAVED, row.blocks[0], dst))
+            sink.order.append("C")
+        pool.store(dst, cache_key(h, self.tag))
+        if sink is not None:
+            sink.stored.append((self.key, request_id, COPY_SAVED, dst, h,
+                                hashes.parent_hash(index), ()))
+            sink.order.append("T")
+        pool.release((dst,), self.key)
+
+    def unstore(self) -> None:
+        """Reset every row's ``stored`` counter (after the pool forgot what it cached)."""
+        for rid, row in self.items():
+            if row.stored:
+                self.put(rid, _new(Row, (row.blocks, row.nulls, 0, row.shared, row.seq)))
+
+    # -- freezing -------------------------------------------------------------------------
+    def freeze(self, pool: int) -> GroupState:
+        """The group as a value; the working copy goes on from it."""
         if not self.changed:
             return self.src
-        ring = self.ring
-        self.src = GroupState(self.key, self.policy, self.rows.persistent(), self.num_rows,
-                              self.slots,
-                              ring.frozen(), ring.head, self.count, self.detached,
-                              self._frozen_cache())
+        rows = self.rows.finish()
+        self.src = GroupState(self.key, self.policy, pool, rows, self.src.traits)
+        self.rows = rows.mutate()
         self.changed = False
         return self.src
 
-    def _frozen_cache(self) -> Any:
-        return None
-
-
-# The caching working copy registers itself here (``_cache_group`` imports this module).
-CACHING_KIND: list[type[GroupCopy]] = []
-
-
-class Transient:
-    """The working copy of a whole :class:`~kvfunc.KVState`; group copies made on first write.
-
-    ``views[i]`` is what group ``i`` reads from: the published group until
-    :meth:`copy` makes its working copy.
-    """
-
-    __slots__ = ("caching", "checked", "copies", "lane", "max_model_len", "sink", "slots", "src",
-                 "views")
-
-    def __init__(self, state: KVState, sink: DeltaBuilder | None = None) -> None:
-        self.src = state
-        self.max_model_len = state.max_model_len
-        self.sink = sink
-        groups = state.groups
-        self.caching = state.prefix_caching
-        self.views: list[Any] = list(groups)
-        self.copies: list[GroupCopy | None] = [None] * len(groups)
-        self.slots: SlotMap = groups[0].slots if groups else SlotMap()
-        self.lane: Any = state._lane  # the fold's lane over the state's rows
-        self.checked: set[int] = set()  # hash block sizes the fold checked against the groups
-
-    def copy(self, i: int) -> GroupCopy:
-        """The working copy of group ``i`` (made on first use)."""
-        g = self.copies[i]
-        if g is None:
-            kind = CACHING_KIND[0] if self.caching else GroupCopy
-            g = self.copies[i] = self.views[i] = kind(self.views[i], self.sink)
-            self.lane = None  # it reads this group's rows from the copy from now on
-        return g
-
-    def all_copies(self) -> list[GroupCopy]:
-        """Every group's working copy."""
-        return [self.copy(i) for i in range(len(self.views))]
-
-    def group(self, key: str) -> GroupCopy:
-        """The working copy of ``key``'s group."""
-        i = self.views.index(find_group(self.views, key))
-        return self.copy(i)
-
-    def freeze(self) -> KVState:
-        """The current state as a value (the input state when nothing changed)."""
-        src = self.src
-        changed = False
-        frozen: list[GroupState] = []
-        for copy, before in zip(self.copies, src.groups, strict=True):
-            after = before if copy is None else copy.freeze()
-            changed = changed or after is not before
-            frozen.append(after)
-        if not changed:
-            return src
-        groups = tuple(frozen)
-        live = 0
-        for group in groups:
-            live = group.num_rows if group.num_rows > live else live
-        if len(self.slots) > live + live // 4 + 64:  # mostly finished requests: a fresh map
-            groups = reslot(groups)
-            for i, group in enumerate(groups):  # the copies now edit the fresh rows
-                copy = self.copies[i]
-                if copy is not None:
-                    copy.src, copy.rows, copy.slots = group, group.rows.evolver(), group.slots
-                else:
-                    self.views[i] = group
-            self.slots, self.lane = groups[0].slots, None
-        self.src = state = object.__new__(KVState)  # its groups share one slot map: no check
-        _set(state, "max_model_len", self.max_model_len)
-        _set(state, "groups", groups)
-        _set(state, "_lane", None)
-        return state
+    @property
+    def keeps_every_token(self) -> bool:
+        """True when the policy never skips a token (no null entries, nothing slides out)."""
+        return self.mode == KEEPS_ALL

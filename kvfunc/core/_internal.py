@@ -9,16 +9,17 @@ from kvfunc.core._cache_info import as_listed
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id, excerpt
 from kvfunc.core._delta import DeltaBuilder, family_rows
 from kvfunc.core._fold import fold, slot_entry
-from kvfunc.core._group import GroupCopy, Transient
-from kvfunc.core._rows import Row, extend_row, row_table
+from kvfunc.core._group import GroupCopy
+from kvfunc.core._pool import PoolCopy
+from kvfunc.core._rows import Row, row_table
 from kvfunc.core._sizing import calculate_block_num_lazy
-from kvfunc.core._state import FrozenDict, group_cache_entries, usage_string
+from kvfunc.core._state import FrozenDict, Transient, group_cache_entries, usage_string
 from kvfunc.core._transitions import free_into, recycle_into
 from kvfunc.core._validate import mamba_entry, positive_field
 
 __all__ = [
-    "DeltaBuilder", "FrozenDict", "GroupCopy", "Row", "Transient", "as_listed",
+    "DeltaBuilder", "FrozenDict", "GroupCopy", "PoolCopy", "Row", "Transient", "as_listed",
     "calculate_block_num_lazy", "check_count", "check_manager_keys", "check_request_id",
-    "excerpt", "extend_row", "family_rows", "fold", "free_into", "group_cache_entries",
-    "mamba_entry", "positive_field", "recycle_into", "row_table", "slot_entry", "usage_string",
+    "excerpt", "family_rows", "fold", "free_into", "group_cache_entries", "mamba_entry",
+    "positive_field", "recycle_into", "row_table", "slot_entry", "usage_string",
 ]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
-from kvfunc.core._rows import Row, row_table
-from kvfunc.core._state import NULL_BLOCK, GroupState, KVState, check_state
+from kvfunc.core._group import GroupState
+from kvfunc.core._policy import KEEPS_ALL
+from kvfunc.core._pool import PoolState
+from kvfunc.core._state import NULL_BLOCK, KVState, check_state
 
 __all__ = ["check_invariants"]
 
@@ -13,14 +16,18 @@ __all__ = ["check_invariants"]
 def check_invariants(state: KVState) -> None:
     """Assert the invariants of a state; an ``AssertionError`` names the first broken one.
 
-    * the null block is never free; every other id is free, held, or
-      detached: ``free + held + detached == num_blocks - 1``;
-    * a table never holds an id out of range, and (without prefix caching)
+    * each group draws from one pool, and each pool's members are its groups;
+    * the null block is never free; every other id of a pool is free, held by
+      a table of its groups, or detached: ``free + held + detached ==
+      num_blocks - 1``;
+    * a table never holds an id out of range, and (without reference counts)
       never an id twice, nor one another table holds;
     * null entries only in tables of policies that skip tokens, as a prefix;
-    * with prefix caching: reference counts equal table membership, the hash
-      index finds every cached block, stacked free blocks hold nothing
-      cached, and each row's ``shared`` and ``stored`` counters are sound.
+    * with reference counts: they equal table membership plus detached
+      holders, and the free blocks are exactly those nobody holds;
+    * with prefix caching: the hash index finds exactly the cached blocks, in
+      both directions, and each row's ``shared`` and ``stored`` counters are
+      sound.
 
     >>> from kvfunc.core._policy import FullAttention
     >>> check_invariants(KVState.create({"f": FullAttention(num_blocks=5, block_size=4)}, 64))
@@ -28,62 +35,83 @@ def check_invariants(state: KVState) -> None:
     check_state(state)
     keys = state.manager_keys
     assert len(set(keys)) == len(keys), f"duplicate manager keys {keys}"
-    slots = state.groups[0].slots if state.groups else None
-    for g in state.groups:
-        assert g.slots is slots, f"{g.key}: the groups do not share one slot map"
-        _check_group(g)
+    for j, pool in enumerate(state.pools):
+        members = [g for g in state.groups if g.pool == j]
+        assert tuple(g.key for g in members) == pool.members, (
+            f"pool {pool.name!r}: members {pool.members} are not its groups")
+        _check_pool(pool, members)
 
 
-def _check_group(g: GroupState) -> None:
-    n = g.policy.num_blocks
-    free = g.free_block_ids()
-    assert len(free) == g.num_free, f"{g.key}: {len(free)} free ids, count {g.num_free}"
-    assert NULL_BLOCK not in free, f"{g.key}: null block in the free queue"
-    assert len(set(free)) == len(free), f"{g.key}: a block is free twice"
-    rows = [r for r in g.rows if r is not None]
-    assert len(rows) == g.num_rows, f"{g.key}: {len(rows)} rows, count {g.num_rows}"
+def _check_pool(pool: PoolState, groups: list[GroupState]) -> None:
+    n, name = pool.num_blocks, pool.name
+    free = pool.free_block_ids()
+    assert len(free) == pool.num_free, f"{name}: {len(free)} free ids, count {pool.num_free}"
+    assert NULL_BLOCK not in free, f"{name}: null block in the free queue"
+    assert len(set(free)) == len(free), f"{name}: a block is free twice"
     held: Counter[int] = Counter()
-    skips = g.policy.window is not None or g.policy.may_skip
-    for row in rows:
-        _check_row(g, row, skips)
-        held.update(b for b in row_table(row) if b)
-    if g.cache is None:
-        assert all(c == 1 for c in held.values()), f"{g.key}: a block is held twice"
+    for g in groups:
+        for row in g.rows.values():
+            _check_row(g, row)
+            held.update(row.blocks)
+    detached = dict(pool.detached.items())
+    assert all(c > 0 for c in detached.values()), f"{name}: a detached count is not positive"
+    assert all(0 < b < n for b in [*held, *free, *detached]), f"{name}: block id out of range"
+    assert not set(held) & set(free), f"{name}: a block is free and held"
+    assert not set(detached) & set(free), f"{name}: a block is free and detached"
+    if pool.refs is None:
+        assert all(c == 1 for c in held.values()), f"{name}: a block is held twice"
+        assert all(c == 1 for c in detached.values()), f"{name}: a block is detached twice"
+        assert not set(held) & set(detached), f"{name}: a block is held and detached"
     else:
-        _check_cache(g, rows, held, free)
-    assert not set(held) & set(free), f"{g.key}: a block is free and held"
-    assert all(0 < b < n for b in [*held, *free]), f"{g.key}: block id out of range"
-    total = len(free) + len(held) + g.num_detached
-    assert total == n - 1, (f"{g.key}: conservation broken: free {len(free)} + held "
-                            f"{len(held)} + detached {g.num_detached} != {n - 1}")
+        _check_refs(pool, held, detached, free)
+    if pool.hash_of is not None:
+        _check_cache(pool, groups)
+    total = len(free) + len(set(held) | set(detached))
+    assert total == n - 1, (f"{name}: conservation broken: free {len(free)} + held or "
+                            f"detached {total - len(free)} != {n - 1}")
 
 
-def _check_row(g: GroupState, row: Row, skips: bool) -> None:
-    assert 0 <= row.nulls <= row.length <= len(row.ids), f"{g.key}: a row's counts {row[1:]}"
-    table = row_table(row)
-    assert NULL_BLOCK not in table[row.nulls:], f"{g.key}: a null entry after a real one"
-    assert skips or not row.nulls, f"{g.key}: a null entry where every token is kept"
+def _check_row(g: GroupState, row: Any) -> None:
+    assert row.nulls >= 0, f"{g.key}: a row's null count {row.nulls}"
+    assert NULL_BLOCK not in row.blocks, f"{g.key}: a null entry after a real one"
+    assert g.traits[2] != KEEPS_ALL or not row.nulls, (
+        f"{g.key}: a null entry where every token is kept")
 
 
-def _check_cache(g: GroupState, rows: list[Row], held: Counter[int], free: tuple[int, ...]
-                 ) -> None:
-    """Reference counts equal table membership; the hash index and the counters are sound."""
-    cache = g.cache
-    assert cache is not None
-    counts = [0] * g.policy.num_blocks
+def _check_refs(pool: PoolState, held: Counter[int], detached: dict[int, int],
+                free: tuple[int, ...]) -> None:
+    refs = pool.refs
+    assert refs is not None
+    want = [0] * pool.num_blocks
     for b, c in held.items():
-        counts[b] = c
-    assert list(cache.refs) == counts, f"{g.key}: reference counts differ from the tables"
-    hashes = {b: h for b, h in enumerate(cache.hash_of) if h is not None}
-    assert cache.num_cached_blocks == len(hashes), f"{g.key}: cached block count differs"
-    missing = [b for b, h in hashes.items() if b not in cache.by_hash.get(h, ())]
-    assert not missing, f"{g.key}: cached blocks {missing} missing from the hash index"
-    stacked = cache.stack_ids()
-    assert all(b not in hashes for b in stacked), f"{g.key}: a stacked free block is cached"
-    for row in rows:
-        ids = row.ids
-        done = max(row.stored, row.nulls)
-        assert all(ids[p] in hashes for p in range(row.nulls, min(done, row.length))), (
-            f"{g.key}: a row's stored counter covers an uncached block")
-        assert all(counts[ids[p]] <= 1 for p in range(max(row.shared, row.nulls), row.length)), (
-            f"{g.key}: a row's shared counter misses a shared block")
+        want[b] += c
+    for b, c in detached.items():
+        want[b] += c
+    assert list(refs) == want, f"{pool.name}: reference counts differ from the holders"
+    nobody = {b for b in range(1, pool.num_blocks) if not want[b]}
+    assert nobody == set(free), f"{pool.name}: the free blocks are not those nobody holds"
+
+
+def _check_cache(pool: PoolState, groups: list[GroupState]) -> None:
+    """The index and ``hash_of`` agree; every row's counters are sound."""
+    hash_of = pool.hash_of
+    assert hash_of is not None
+    cached = {b: k for b, k in enumerate(hash_of) if k is not None}
+    assert pool.num_cached == len(cached), f"{pool.name}: cached block count differs"
+    indexed: dict[int, bytes] = {}
+    for key, found in pool.index.items():
+        blocks = found if type(found) is tuple else (found,)
+        assert len(blocks) == len(set(blocks)) and (type(found) is int or len(blocks) > 1), (
+            f"{pool.name}: a malformed index entry {found!r}")
+        for b in blocks:
+            indexed[b] = key
+    assert indexed == cached, f"{pool.name}: the hash index and the cached blocks differ"
+    for g in groups:
+        for row in g.rows.values():
+            nulls, blocks = row.nulls, row.blocks
+            done = min(max(row.stored, nulls), row.length)
+            assert all(hash_of[blocks[p - nulls]] is not None for p in range(nulls, done)), (
+                f"{g.key}: a row's stored counter covers an uncached block")
+            assert all(pool.refs[blocks[p - nulls]] <= 1  # type: ignore[index]
+                       for p in range(max(row.shared, nulls), row.length)), (
+                f"{g.key}: a row's shared counter misses a shared block")

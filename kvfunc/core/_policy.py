@@ -10,14 +10,16 @@ entries the request holds and token counts:
 * how many blocks must stay free for other registered requests
   (``num_reserved_blocks``).
 
-:func:`plan_step` composes these into the one plan of a step (what to
-recycle, what to append) and :func:`hit_span` into the blocks a prefix hit
-must find cached, so a new attention type is one frozen class with these
-methods, registered with :func:`register_policy`.  A policy never sees the
+Each question the allocator asks of a policy has one function here:
+:func:`skip_mode` (does it keep every token?), :func:`slid_out` (what slid
+out of the window?), :func:`blocks_needed` (what does a table need?) and
+:func:`hit_span` (which hit is acceptable?), so a new attention type is one
+frozen class with these methods, registered with :func:`register_policy`;
+:func:`check_hints` holds its hints to its methods when a state takes it.  A policy never sees the
 pool or other requests: the step in ``_step`` does the two-phase check over
 all groups, like ``optax.chain`` composes transformations.
 
-Two class-level hints let the step's quiet check skip method calls:
+Two class-level hints let the step skip method calls:
 ``grows_with_tokens`` (a request that already holds entries needs
 ``ceil(num_tokens / block_size) - held`` more blocks) and ``window`` (when not
 ``None``, ``num_skipped_tokens(c) == max(0, c - window + 1)``).
@@ -25,6 +27,7 @@ Two class-level hints let the step's quiet check skip method calls:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -34,15 +37,21 @@ from kvfunc.core._checks import MAX_NUM_BLOCKS, excerpt
 from kvfunc.core._errors import InvalidArgumentError, UnknownAttentionTypeError
 
 __all__ = [
+    "BY_METHOD",
+    "BY_WINDOW",
+    "KEEPS_ALL",
     "FullAttention",
     "Mamba",
     "Policy",
     "SlidingWindow",
+    "blocks_needed",
+    "check_hints",
     "hit_span",
-    "plan_step",
     "policy_class",
     "register_policy",
     "registered_attn_types",
+    "skip_mode",
+    "slid_out",
 ]
 
 
@@ -339,42 +348,65 @@ def policies_by_key(groups: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     return items
 
 
-def plan_step(policy: Policy, held: int, nulls: int, computed: int, total: int
-              ) -> tuple[int, int, int]:
-    """One request's step in one group: ``(upto, add_nulls, need)``.
+# How a policy drops tokens, decided once per group (see ``skip_mode``).
+KEEPS_ALL, BY_WINDOW, BY_METHOD = 0, 1, 2
 
-    The table holds ``held`` entries, the first ``nulls`` of them null.
-    Positions ``nulls .. upto - 1`` slid out of the window and are recycled
-    (``upto <= nulls`` when nothing is), then ``add_nulls`` null entries and
-    ``need`` new blocks are appended so that the table covers ``total``
-    tokens.  Null entries only ever form a prefix of a table.
 
-    >>> plan_step(SlidingWindow(num_blocks=9, block_size=4, sliding_window=8), 3, 0, 12, 13)
-    (1, 0, 1)
-    >>> plan_step(FullAttention(num_blocks=9, block_size=4), 0, 0, 0, 9)
-    (0, 0, 3)
+def skip_mode(policy: Policy) -> int:
+    """How ``policy`` drops leading tokens: ``KEEPS_ALL``, ``BY_WINDOW`` or ``BY_METHOD``.
+
+    The one answer to "does this policy keep every token?" (the step, replay,
+    prefix lookups and the invariants ask it).
+
+    >>> skip_mode(FullAttention(1, 1)), skip_mode(SlidingWindow(1, 1, 4))
+    (0, 1)
     """
-    if not held:
-        add_nulls, need = policy.plan_blocks(0, total)
-        return 0, add_nulls, need
-    upto = 0
-    if policy.window is not None or policy.may_skip:
+    if policy.window is not None:
+        return BY_WINDOW
+    return BY_METHOD if policy.may_skip else KEEPS_ALL
+
+
+def slid_out(policy: Policy, mode: int, computed: int, held: int) -> int:
+    """Table positions before the returned one have slid out of the window (0: none).
+
+    The one answer to "did a block slide out?": the step, recycling, compat
+    and replay call it.  At most ``held``.
+
+    >>> slid_out(SlidingWindow(num_blocks=9, block_size=4, sliding_window=8), 1, 12, 3)
+    1
+    """
+    if mode == KEEPS_ALL or not held:
+        return 0
+    if mode == BY_WINDOW:
+        skipped = computed - policy.window + 1  # type: ignore[operator]
+    else:
         skipped = policy.num_skipped_tokens(computed)
-        if skipped > 0:
-            upto = min(skipped // policy.block_size, held)
-    if policy.grows_with_tokens:
+    if skipped <= 0:
+        return 0
+    upto = skipped // policy.block_size
+    return upto if upto < held else held
+
+
+def blocks_needed(policy: Policy, grows: bool, held: int, total: int) -> tuple[int, int]:
+    """``(null entries, new blocks)`` a table of ``held`` entries needs to cover ``total`` tokens.
+
+    >>> blocks_needed(FullAttention(num_blocks=9, block_size=4), True, 2, 9)
+    (0, 1)
+    """
+    if held and grows:
         need = -(-total // policy.block_size) - held
-        return upto, 0, need if need > 0 else 0
-    add_nulls, need = policy.plan_blocks(held, total)
-    return upto, add_nulls, need
+        return 0, need if need > 0 else 0
+    return policy.plan_blocks(held, total)
 
 
 def hit_span(policy: Policy, num_tokens: int) -> tuple[int, int]:
     """Table positions ``first .. last - 1`` that must be cached for a hit of ``num_tokens``.
 
-    A policy that grows with tokens needs the blocks its window still reads
-    (every block for full attention); a state (``grows_with_tokens`` False)
-    needs the state saved at exactly ``num_tokens``, the one block
+    The one answer to "which hit is acceptable?": a policy that grows with
+    tokens needs the blocks its window still reads (every block for full
+    attention, the last window's blocks for a sliding window, as vLLM's
+    hybrid coordinator decides); a state (``grows_with_tokens`` False) needs
+    the state saved at exactly ``num_tokens``, the one block
     ``num_tokens // block_size - 1``.
 
     >>> hit_span(SlidingWindow(num_blocks=9, block_size=4, sliding_window=8), 16)
@@ -387,6 +419,45 @@ def hit_span(policy: Policy, num_tokens: int) -> tuple[int, int]:
     if not policy.grows_with_tokens:
         return last - 1, last
     return min(policy.num_skipped_tokens(num_tokens) // bs, last), last
+
+
+_PROBES = (0, 1, 2, 3, 7, 15, 16, 17, 31, 64, 100, 1023, 1024, 1025, 4096, 65537)
+_CHECKED: dict[Any, None] = {}
+
+
+def check_hints(key: str, policy: Policy) -> None:
+    """The policy's hints agree with its methods (checked when a state registers it).
+
+    ``window`` not None promises ``num_skipped_tokens(c) == max(0, c - window + 1)``;
+    ``may_skip`` False with no window promises nothing is ever skipped;
+    ``grows_with_tokens`` promises that a table of ``h > 0`` entries needs
+    ``ceil(n / block_size) - h`` more blocks and no null entries.  The step
+    trusts the hints, so a policy that breaks one is refused here.
+    """
+    try:
+        if policy in _CHECKED:
+            return
+    except TypeError:  # an unhashable policy is checked every time
+        pass
+    window, bs = policy.window, policy.block_size
+    for c in _PROBES:
+        skipped = policy.num_skipped_tokens(c)
+        want = max(0, c - window + 1) if window is not None else None if policy.may_skip else 0
+        if want is not None and skipped != want:
+            _broken(key, policy, f"num_skipped_tokens({c}) is {skipped!r}, its hints say {want}")
+        if policy.grows_with_tokens:
+            for held in (1, 2, 5):
+                got, expect = policy.plan_blocks(held, c), (0, max(0, -(-c // bs) - held))
+                if tuple(got) != expect:
+                    _broken(key, policy, f"plan_blocks({held}, {c}) is {got!r}, "
+                                         f"grows_with_tokens says {expect}")
+    with contextlib.suppress(TypeError):  # an unhashable policy is checked every time
+        _CHECKED[policy] = None
+
+
+def _broken(key: str, policy: Policy, what: str) -> None:
+    msg = f"group {key!r}: policy {type(policy).__name__} breaks its hints: {what}"
+    raise InvalidArgumentError(msg)
 
 
 for _cls in (FullAttention, SlidingWindow, Mamba):

@@ -1,143 +1,376 @@
-"""The free queue: a ring of chunks that only moves at its ends.
+"""The block pool: free queue, reference counts, hash index, eviction order -- one value.
 
 Theory of operation
 -------------------
-A group's free block ids wait in a ring: a persistent vector of fixed-size
-tuples (``FREE_CHUNK`` ids each) with a head position and an entry count.
-Blocks are handed out at the head and freed ones re-enter at the tail,
-exactly the seed's FIFO.  Popping only moves the head and pushing a run of
-ids rewrites one or two chunks, so a transition shares every other chunk with
-the state it came from and pays one vector update per touched chunk, not one
-per block.
+A :class:`PoolState` owns ``num_blocks`` block ids (block 0 is the null
+block: never free, never handed out).  One or more groups draw from it: a
+pool per attention type (the seed's layout) or one pool shared by every
+group (vLLM's hybrid layout), so ids are unique across the groups of a pool.
 
-:class:`RingCopy` is the working copy one transition edits: chunks it writes
-are copied into plain lists (``dirty``) on first write and frozen back into
-the vector once, by :meth:`RingCopy.frozen`.
+Two kinds, chosen when the state is made:
 
-With prefix caching (``_cache``) the ring holds the free blocks that hold a
-cached block, least recently freed first (the uncached ones wait on a stack
-and go first), and may hold *stale* entries (a prefix hit took a free block
-out of the middle); the caching pool skips them when it pops.
+* **seed** (no prefix caching): a FIFO :class:`~kvfunc.core._queue.Ring`.
+  Blocks have one holder at most, so there are no reference counts.
+* **linked** (prefix caching, or vLLM's order without it): vLLM's free
+  queue, :class:`~kvfunc.core._queue.Linked`, plus ``refs`` (table entries
+  and detached holders per block) and, with caching, ``hash_of`` (the key
+  each cached block is stored under) and ``index`` (key -> block id, or a
+  tuple of ids in the order they were cached when one key names several
+  copies; a hit takes the first, as vLLM's does).  A block whose last holder
+  goes re-enters the queue at the front when it holds nothing cached (reused
+  first) and at the back when it does (evicted last, least recently freed
+  first); a cached block keeps its key while it waits and is *evicted* only
+  when it is handed out again.  A hit on a free cached block takes it out of
+  the middle of the queue.
+
+In a pool shared by several groups the same block hash of two groups names
+different KV, so a key is the digest followed by one byte naming the group
+(its position among the pool's members); a pool with one member uses the
+digest itself.
+
+Conservation: ``free + held + detached == num_blocks - 1``, where ``held``
+counts the distinct non-null blocks of the member groups' tables and
+``detached`` the blocks taken for a holder outside the tables (the seed's
+``BlockPool.get_new_blocks``, vLLM's deferred frees).
+
+:class:`PoolCopy` is the working copy one transition edits.  Its
+primitives record the pool's own delta rows (freed, evicted) as they act.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+import attrs
+import immutables
 from pyrsistent import PVector, pvector
 
-__all__ = ["FREE_CHUNK", "RingCopy", "new_ring", "ring_entries"]
+from kvfunc.core._delta import DeltaBuilder
+from kvfunc.core._queue import Linked, Ring
 
-FREE_CHUNK = 64
+__all__ = ["EMPTY_MAP", "PoolCopy", "PoolState", "cache_key"]
+
+EMPTY_MAP: immutables.Map[Any, Any] = immutables.Map()
 
 
-def new_ring(ids: Sequence[int], room: int) -> PVector[tuple[int, ...]]:
-    """A ring holding ``ids`` from position 0, with room for ``room`` entries (padded with 0).
+def cache_key(digest: bytes, tag: bytes | None) -> bytes:
+    """The index key of ``digest`` for a member whose tag is ``tag`` (None: the only member).
 
-    >>> len(new_ring([1, 2, 3], 100))
-    2
+    >>> cache_key(b"ab", None), cache_key(b"ab", b"\\x01")
+    (b'ab', b'ab\\x01')
     """
-    chunks = max(1, -(-room // FREE_CHUNK))
-    padded = list(ids) + [0] * (chunks * FREE_CHUNK - len(ids))
-    return pvector(tuple(padded[i:i + FREE_CHUNK]) for i in range(0, len(padded), FREE_CHUNK))
+    return digest if tag is None else digest + tag
 
 
-def ring_entries(ring: PVector[tuple[int, ...]], head: int, count: int) -> Iterator[int]:
-    """The first ``count`` entries of a published ring from ``head`` (O(count)).
+@attrs.frozen(slots=True, eq=False)
+class PoolState:
+    """A block pool as a value (see the module docstring).
 
-    >>> list(ring_entries(new_ring([4, 5, 6], 8), 1, 2))
-    [5, 6]
+    Attributes:
+        name: the pool's name (a group key for a pool per type, else ``"shared"``).
+        members: the keys of the groups that draw from it, in manager order.
+        num_blocks: block ids ``0 .. num_blocks - 1``; 0 is the null block.
+        queue: the free queue (a ``Ring`` or a ``Linked`` queue).
+        refs: holders per block (linked pools), else None.
+        hash_of: the key each block is cached under, or None (caching pools).
+        index: cached key -> block id, or a tuple of ids in cache order.
+        num_cached: blocks whose ``hash_of`` is set.
+        detached: block -> holders outside the tables.
     """
-    cap = len(ring) * FREE_CHUNK
-    for i in range(count):
-        p = (head + i) % cap
-        yield ring[p // FREE_CHUNK][p % FREE_CHUNK]
+
+    name: str
+    members: tuple[str, ...]
+    num_blocks: int
+    queue: Any
+    refs: PVector[int] | None
+    hash_of: PVector[bytes | None] | None
+    index: immutables.Map[bytes, Any]
+    num_cached: int
+    detached: immutables.Map[int, int]
+
+    @classmethod
+    def create(cls, name: str, members: tuple[str, ...], num_blocks: int, *, linked: bool,
+               caching: bool) -> PoolState:
+        """A fresh pool: blocks ``1 .. num_blocks - 1`` free in order.
+
+        >>> p = PoolState.create("full", ("full",), 4, linked=False, caching=False)
+        >>> p.free_block_ids(), p.num_free
+        ((1, 2, 3), 3)
+        """
+        ids = range(1, num_blocks)
+        if not linked:
+            return cls(name, members, num_blocks, Ring.of(ids, num_blocks - 1), None, None,
+                       EMPTY_MAP, 0, EMPTY_MAP)
+        refs: PVector[int] = pvector([0] * num_blocks)
+        none: list[bytes | None] = [None] * num_blocks
+        hash_of = pvector(none) if caching else None
+        return cls(name, members, num_blocks, Linked.of(ids, num_blocks), refs, hash_of,
+                   EMPTY_MAP, 0, EMPTY_MAP)
+
+    @property
+    def num_free(self) -> int:
+        """Free blocks (cached ones waiting in the queue included)."""
+        count: int = self.queue.count
+        return count
+
+    @property
+    def linked(self) -> bool:
+        """True for vLLM's queue with reference counts."""
+        return self.refs is not None
+
+    @property
+    def caching(self) -> bool:
+        """True when the pool caches blocks by hash."""
+        return self.hash_of is not None
+
+    def free_block_ids(self) -> tuple[int, ...]:
+        """Free block ids in hand-out order."""
+        return tuple(self.queue.ids())
+
+    def num_detached(self) -> int:
+        """Holders outside the tables."""
+        return sum(self.detached.values())
+
+    def cached(self, member: str) -> dict[bytes, tuple[int, ...]]:
+        """``{digest: block ids ascending}`` of one member group (for checks and views)."""
+        if self.hash_of is None:
+            return {}
+        tag = self.tag_of(member)
+        out: dict[bytes, tuple[int, ...]] = {}
+        for key, found in self.index.items():
+            if tag is None or key[-1:] == tag:
+                ids = tuple(sorted(found)) if type(found) is tuple else (found,)
+                out[key if tag is None else key[:-1]] = ids
+        return out
+
+    def tag_of(self, member: str) -> bytes | None:
+        """The index tag of a member group (None when it is the only member)."""
+        return None if len(self.members) == 1 else bytes((self.members.index(member),))
+
+    def identity(self) -> tuple[Any, ...]:
+        """What equality compares: sizes, the queue's order, references and cached keys."""
+        return (self.name, self.members, self.num_blocks, self.free_block_ids(),
+                None if self.refs is None else tuple(self.refs),
+                None if self.hash_of is None else tuple(self.hash_of),
+                dict(self.detached.items()))
+
+    def __repr__(self) -> str:
+        return (f"PoolState(name={self.name!r}, members={self.members!r}, "
+                f"num_blocks={self.num_blocks}, free={self.num_free})")
 
 
-class RingCopy:
-    """The working copy of one ring (see the module docstring)."""
+class PoolCopy:
+    """The working copy of a :class:`PoolState` (see the module docstring)."""
 
-    __slots__ = ("cap", "dirty", "head", "ring")
+    __slots__ = ("caching", "detached", "hash_of", "index", "linked", "members", "num_blocks",
+                 "num_cached", "queue", "refs", "sink", "src", "tagged", "writable")
 
-    def __init__(self, ring: PVector[tuple[int, ...]], head: int) -> None:
-        self.ring = ring
-        self.head = head
-        self.cap = len(ring) * FREE_CHUNK
-        self.dirty: dict[int, list[int]] | None = None
+    def __init__(self, pool: PoolState, sink: DeltaBuilder | None) -> None:
+        self.src = pool
+        self.num_blocks = pool.num_blocks
+        self.members = pool.members
+        self.tagged = len(pool.members) > 1
+        self.linked = pool.refs is not None
+        self.caching = pool.hash_of is not None
+        self.queue: Any = pool.queue.copy()
+        self.refs: Any = pool.refs
+        self.hash_of: Any = pool.hash_of
+        self.index: Any = pool.index
+        self.num_cached = pool.num_cached
+        self.detached: Any = pool.detached
+        self.sink = sink
+        self.writable = False
 
-    def chunk(self, index: int) -> Any:
-        """The current contents of chunk ``index``."""
-        dirty = self.dirty
-        if dirty is not None:
-            chunk = dirty.get(index)
-            if chunk is not None:
-                return chunk
-        return self.ring[index]
+    @property
+    def count(self) -> int:
+        """Free blocks now."""
+        count: int = self.queue.count
+        return count
 
-    def pop(self, n: int) -> list[int]:
-        """The ``n`` entries from the head, moving the head past them (caller checked)."""
-        h, cap = self.head, self.cap
-        index, off = divmod(h, FREE_CHUNK)
-        if off + n <= FREE_CHUNK:  # the common case: one chunk
-            dirty = self.dirty
-            chunk: Any = dirty.get(index) if dirty is not None else None
-            if chunk is None:
-                chunk = self.ring[index]
-            out = list(chunk[off:off + n])
-            h += n
+    def writing(self) -> None:
+        """Turn the per-block vectors into evolvers (once per transition)."""
+        if self.writable:
+            return
+        if self.linked:
+            self.refs = self.refs.evolver()
+            if self.caching:
+                self.hash_of = self.hash_of.evolver()
+                self.index = self.index.mutate()
+        self.writable = True
+
+    # -- the free queue ---------------------------------------------------------------
+    def take(self, n: int) -> list[int]:
+        """Pop ``n`` free blocks for one holder each, evicting what they cache (caller checked)."""
+        if not self.writable:
+            self.writing()
+        out: list[int] = self.queue.pop(n)
+        if self.linked:
+            refs = self.refs
+            for b in out:
+                refs[b] = 1
+            if self.num_cached:
+                hash_of = self.hash_of
+                for b in out:
+                    if hash_of[b] is not None:
+                        self._evict(b)
+        return out
+
+    def free(self, ids: Sequence[int], key: str) -> None:
+        """Return blocks nobody holds to the queue (see the module docstring); records F rows."""
+        if not ids:
+            return
+        if not self.writable:
+            self.writing()
+        sink = self.sink
+        if not self.linked:
+            self.queue.push_back(ids)
+            if sink is not None:
+                sink.freed.extend([(key, b) for b in ids])
+                sink.order.append("F" * len(ids))
+            return
+        hash_of = self.hash_of
+        if hash_of is None:
+            front, back = list(ids), []
         else:
-            out = []
-            while len(out) < n:
-                index, off = divmod(h, FREE_CHUNK)
-                m = min(n - len(out), FREE_CHUNK - off)
-                out.extend(self.chunk(index)[off:off + m])
-                h += m
-                if h == cap:
-                    h = 0
-        self.head = h if h != cap else 0
-        return out
+            front = [b for b in ids if hash_of[b] is None]
+            back = [b for b in ids if hash_of[b] is not None] if len(front) < len(ids) else []
+        self.queue.push_back(back)
+        self.queue.push_front(front)
+        if sink is not None:  # in release order: replay frees the whole run at once
+            sink.freed.extend([(key, b) for b in ids])
+            sink.order.append("F" * len(ids))
 
-    def write(self, pos: int, new: Sequence[int]) -> None:
-        """Write ``new`` into the ring from position ``pos`` on (chunks copied on first write)."""
-        dirty = self.dirty
-        if dirty is None:
-            dirty = self.dirty = {}
-        cap = self.cap
-        i = 0
-        while i < len(new):
-            index, off = divmod(pos, FREE_CHUNK)
-            m = min(len(new) - i, FREE_CHUNK - off)
-            chunk = dirty.get(index)
-            if chunk is None:
-                chunk = dirty[index] = list(self.ring[index])
-            chunk[off:off + m] = new[i:i + m]
-            i += m
-            pos += m
-            if pos == cap:
-                pos = 0
+    def release(self, ids: Sequence[int], key: str) -> None:
+        """Drop one holder of each block; free, in order, those that reach none."""
+        if not self.linked:
+            self.free(ids, key)
+            return
+        if not self.writable:
+            self.writing()
+        refs = self.refs
+        freed = []
+        for b in ids:
+            r = refs[b] - 1
+            refs[b] = r
+            if not r:
+                freed.append(b)
+        self.free(freed, key)
 
-    def entries(self, count: int) -> list[int]:
-        """The first ``count`` entries from the head (O(count); for checks, not the hot path)."""
-        h, cap = self.head, self.cap
-        out = []
-        for i in range(count):
-            p = (h + i) % cap
-            out.append(self.chunk(p // FREE_CHUNK)[p % FREE_CHUNK])
-        return out
+    def share(self, b: int) -> None:
+        """Add a holder to block ``b``; a free block (a cached one) leaves the queue."""
+        if not self.writable:
+            self.writing()
+        refs = self.refs
+        r = refs[b]
+        if not r:
+            self.queue.remove(b)
+        refs[b] = r + 1
 
-    def reset(self, ids: Sequence[int]) -> None:
-        """Rewrite the ring to hold exactly ``ids`` from position 0 (same room)."""
-        self.ring = new_ring(ids, self.cap)
-        self.dirty = None
-        self.head = 0
+    def detach(self, ids: Sequence[int]) -> None:
+        """Count one holder of each block outside the tables (its table entry is gone)."""
+        detached = self.detached.mutate()
+        for b in ids:
+            detached[b] = detached.get(b, 0) + 1
+        self.detached = detached.finish()
 
-    def frozen(self) -> PVector[tuple[int, ...]]:
-        """The ring as a persistent vector (the dirty chunks written back once)."""
-        if self.dirty:
-            ev = self.ring.evolver()
-            for index, chunk in self.dirty.items():
-                ev[index] = tuple(chunk)
-            self.ring = ev.persistent()
-        self.dirty = None
-        return self.ring
+    def attach(self, ids: Sequence[int]) -> None:
+        """Forget one outside holder of each block (the caller checked they are detached)."""
+        detached = self.detached.mutate()
+        for b in ids:
+            n = detached[b] - 1
+            if n:
+                detached[b] = n
+            else:
+                del detached[b]
+        self.detached = detached.finish()
+
+    def free_ids(self) -> list[int]:
+        """Every free block in hand-out order (O(free); for checks and the compat pool)."""
+        ids: list[int] = self.queue.ids()
+        return ids
+
+    # -- the hash index ---------------------------------------------------------------
+    def tag_of(self, member: str) -> bytes | None:
+        """The index tag of a member group (None when it is the only member)."""
+        return bytes((self.members.index(member),)) if self.tagged else None
+
+    def tag(self, member: int) -> bytes | None:
+        """The index tag of the pool's ``member``-th group (None for a pool's only group)."""
+        return bytes((member,)) if self.tagged else None
+
+    def find(self, key: bytes) -> int | None:
+        """The first block cached under ``key``, or None."""
+        found = self.index.get(key)
+        if found is None or type(found) is int:
+            return found
+        first: int = found[0]
+        return first
+
+    def store(self, b: int, key: bytes) -> None:
+        """Cache block ``b`` under ``key`` (it holds nothing cached; no delta row here)."""
+        if not self.writable:
+            self.writing()
+        index = self.index
+        found = index.get(key)
+        index[key] = b if found is None else (found, b) if type(found) is int else (*found, b)
+        self.hash_of[b] = key
+        self.num_cached += 1
+
+    def _evict(self, b: int) -> None:
+        """Forget what block ``b`` caches; records the E row under its member group's key."""
+        hash_of, index = self.hash_of, self.index
+        key = hash_of[b]
+        found = index[key]
+        if type(found) is int:
+            del index[key]
+        else:
+            rest = tuple(x for x in found if x != b)
+            index[key] = rest[0] if len(rest) == 1 else rest
+        hash_of[b] = None
+        self.num_cached -= 1
+        sink = self.sink
+        if sink is not None:
+            member, digest = (key[-1], key[:-1]) if self.tagged else (0, key)
+            sink.evicted.append((self.members[member], b, digest))
+            sink.order.append("E")
+
+    def evict(self, b: int) -> bool:
+        """Evict block ``b`` if it is free and cached (vLLM's ``evict_blocks``); True if so."""
+        if not self.caching or self.refs[b] or self.hash_of[b] is None:
+            return False
+        if not self.writable:
+            self.writing()
+        self._evict(b)
+        return True
+
+    def clear(self) -> int:
+        """Forget every cached key (held blocks stay held); how many blocks were cached."""
+        if not self.writable:
+            self.writing()
+        hash_of = self.hash_of
+        for b in range(len(hash_of)):
+            if hash_of[b] is not None:
+                hash_of[b] = None
+        n, self.num_cached = self.num_cached, 0
+        self.index = EMPTY_MAP.mutate()
+        return n
+
+    # -- freezing ---------------------------------------------------------------------
+    def freeze(self) -> PoolState:
+        """The pool as a value; the working copy goes on from it."""
+        src = self.src
+        queue = self.queue.frozen()
+        if not self.writable and queue is src.queue and self.detached is src.detached:
+            return src
+        refs, hash_of, index = self.refs, self.hash_of, self.index
+        if self.writable and self.linked:
+            refs = refs.persistent()
+            if self.caching:
+                hash_of, index = hash_of.persistent(), index.finish()
+        self.src = PoolState(src.name, src.members, src.num_blocks, queue, refs, hash_of, index,
+                             self.num_cached, self.detached)
+        self.refs, self.hash_of, self.index = refs, hash_of, index
+        self.queue = queue.copy()
+        self.writable = False
+        return self.src

@@ -30,6 +30,9 @@ cached block whenever a request's computed tokens reach a multiple of the
 state group's block size; a hit copies the saved state into the new
 request's own block (states change in place, so they are never shared).
 
+Each lookup takes the first cached copy of a block (vLLM's choice when two
+blocks hold one prefix: the one cached first).
+
 A sliding-window group keeps only the blocks of its window: a one-shot
 prefill of a long prompt never holds the blocks before its last window, so a
 later prompt that shares only a prefix of it finds nothing cached for that
@@ -45,22 +48,48 @@ from typing import Any
 
 import attrs
 
-from kvfunc.core._cache import valid_blocks
 from kvfunc.core._checks import excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 from kvfunc.core._hashing import BlockHashes
-from kvfunc.core._policy import hit_span
+from kvfunc.core._policy import KEEPS_ALL, hit_span
+from kvfunc.core._pool import cache_key
 from kvfunc.core._state import NULL_BLOCK, BlockId, FrozenDict, KVState, check_state
 
-__all__ = ["PrefixHit", "check_hashes", "check_hit", "lookup_prefix", "require_caching"]
+__all__ = ["PrefixHit", "lookup_prefix", "require_caching"]
 
 
-def _frozen(value: Any) -> FrozenDict[str, tuple[BlockId, ...]]:
-    """A mapping of hit tables as a :class:`~kvfunc.core._state.FrozenDict` (checked on use)."""
+def _num_tokens(value: object) -> int:
+    return _count("num_tokens", value)
+
+
+def _query_tokens(value: object) -> int:
+    return _count("query_tokens", value)
+
+
+def _count(name: str, value: object) -> int:
+    if type(value) is not int:
+        raise InvalidTypeError(f"PrefixHit {name} must be an int, got {excerpt(value)}")
+    if value < 0:
+        raise InvalidArgumentError(f"PrefixHit {name} must be non-negative, got {value}")
+    return value
+
+
+def _tables(value: Any) -> FrozenDict[str, tuple[BlockId, ...]]:
+    """A mapping of hit tables as a checked :class:`~kvfunc.core._state.FrozenDict`."""
     if type(value) is FrozenDict:
         return value
     if not isinstance(value, dict):
-        raise InvalidTypeError(f"block_ids must be a dict of tables, got {type(value).__name__}")
+        raise InvalidTypeError(f"PrefixHit block_ids must be a dict of tables, got "
+                               f"{excerpt(value)}")
+    for key, table in value.items():
+        if (type(key) is not str or type(table) is not tuple
+                or any(type(b) is not int for b in table)):
+            msg = (f"PrefixHit block_ids must map manager keys to tuples of block ids, got "
+                   f"{excerpt(key)}: {excerpt(table)}")
+            raise InvalidTypeError(msg)
+        if any(b < 0 for b in table):
+            raise InvalidArgumentError(f"PrefixHit block ids must be non-negative, got "
+                                       f"{excerpt(table)}")
     return FrozenDict(value)
 
 
@@ -72,12 +101,25 @@ class PrefixHit:
         num_tokens: tokens whose KV is cached (pass as ``computed_tokens``).
         block_ids: per group, the table the hit gives the request (null
             entries before a sliding window; a state group's saved block).
-        query_tokens: tokens that were looked up (for the hit rate).
+        query_tokens: tokens that were looked up (for the hit rate); at
+            least ``num_tokens``.
+
+    >>> PrefixHit(16, {"full": (1, 2)}, 8)
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidArgumentError: PrefixHit query_tokens (8) must be at least \
+num_tokens (16)
     """
 
-    num_tokens: int
-    block_ids: FrozenDict[str, tuple[BlockId, ...]] = attrs.field(converter=_frozen)
-    query_tokens: int
+    num_tokens: int = attrs.field(converter=_num_tokens)
+    block_ids: FrozenDict[str, tuple[BlockId, ...]] = attrs.field(converter=_tables)
+    query_tokens: int = attrs.field(converter=_query_tokens)
+
+    def __attrs_post_init__(self) -> None:
+        if self.query_tokens < self.num_tokens:
+            msg = (f"PrefixHit query_tokens ({self.query_tokens}) must be at least num_tokens "
+                   f"({self.num_tokens})")
+            raise InvalidArgumentError(msg)
 
 
 def require_caching(state: Any, what: str) -> None:
@@ -86,60 +128,6 @@ def require_caching(state: Any, what: str) -> None:
     if not caching:
         msg = f"{what} needs a state created with enable_prefix_caching=True"
         raise NotSupportedError(msg)
-
-
-def _ratio(block_size: int, hashes: BlockHashes, key: str) -> int:
-    if block_size % hashes.block_size:
-        msg = (f"group {key!r} has block_size {block_size}, not a multiple of the hashes' "
-               f"block_size {hashes.block_size}")
-        raise InvalidArgumentError(msg)
-    return block_size // hashes.block_size
-
-
-def check_hashes(tr: Any, hashes: object, with_hit: bool) -> None:
-    """The caching arguments need a caching state and hashes that fit every group."""
-    require_caching(tr, "block_hashes / prefix_hit")
-    if hashes is None:
-        if with_hit:
-            raise InvalidArgumentError("a prefix_hit needs the block_hashes it was looked up with")
-        return
-    if type(hashes) is not BlockHashes:
-        msg = f"block_hashes must be a BlockHashes, got {type(hashes).__name__}"
-        raise InvalidTypeError(msg)
-    for g in tr.views:
-        _ratio(g.policy.block_size, hashes, g.key)
-
-
-def check_hit(tr: Any, request_id: int | str, computed: int, keys: Any, hashes: BlockHashes,
-              hit: object) -> None:
-    """A prefix hit admits a new request with every group's hit table, checked for fit."""
-    if not isinstance(hit, PrefixHit):
-        raise InvalidTypeError(f"prefix_hit must be a PrefixHit, got {type(hit).__name__}")
-    if keys is not None:
-        raise InvalidArgumentError("a prefix_hit applies to every group: manager_keys must be None")
-    n = hit.num_tokens
-    if computed != n:
-        msg = (f"computed_tokens must equal the hit's num_tokens ({excerpt(n)}) when admitting "
-               f"with a prefix_hit, got {computed}")
-        raise InvalidArgumentError(msg)
-    if not isinstance(hit.block_ids, dict) or set(hit.block_ids) != {g.key for g in tr.views}:
-        raise InvalidArgumentError("the prefix_hit was looked up on a state with other groups")
-    if type(n) is not int or not 0 <= n <= hashes.num_tokens:
-        raise InvalidArgumentError(f"the prefix_hit's {excerpt(n)} tokens are not covered by "
-                                   "the block_hashes")
-    slot = tr.slots.get(request_id)
-    for g in tr.views:
-        entries, policy = hit.block_ids[g.key], g.policy
-        want = 0 if not n else n // policy.block_size if policy.grows_with_tokens else 1
-        if (type(entries) is not tuple or len(entries) != want
-                or any(type(b) is not int for b in entries)
-                or (entries and not 0 <= min(entries) <= max(entries) < policy.num_blocks)):
-            msg = f"the prefix_hit's blocks of {g.key!r} do not fit the state: {excerpt(entries)}"
-            raise InvalidArgumentError(msg)
-        if slot is not None and slot < len(g.rows) and g.rows[slot] is not None:
-            msg = (f"request {excerpt(request_id)} is already registered; a prefix_hit admits "
-                   "new requests")
-            raise InvalidArgumentError(msg)
 
 
 def lookup_prefix(state: KVState, block_hashes: BlockHashes, *,
@@ -166,101 +154,90 @@ def lookup_prefix(state: KVState, block_hashes: BlockHashes, *,
     check_state(state)
     require_caching(state, "lookup_prefix")
     if type(block_hashes) is not BlockHashes:
-        msg = f"block_hashes must be a BlockHashes, got {type(block_hashes).__name__}"
+        msg = f"block_hashes must be a BlockHashes, got {excerpt(block_hashes)}"
         raise InvalidTypeError(msg)
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
         msg = f"max_tokens must be None or a non-negative int, got {excerpt(max_tokens)}"
         raise InvalidArgumentError(msg)
     hashes = block_hashes
-    groups = state.groups
-    ratios = [_ratio(g.policy.block_size, hashes, g.key) for g in groups]
-    step = lcm(*(g.policy.block_size for g in groups))
+    finders = [_Finder(state, g, hashes) for g in state.groups]
+    step = lcm(*(f.bs for f in finders)) if finders else 1
     limit = hashes.num_blocks * hashes.block_size
     query = limit if max_tokens is None else min(limit, max_tokens)
-    scanned = _scan_full(groups, ratios, hashes, query)
-    best = min((len(ids) * groups[i].policy.block_size for i, ids in scanned.items()),
-               default=query)
-    best -= best % step
-    best = _longest_accepted(groups, ratios, hashes._digests, best, step)
-    tables: dict[str, tuple[BlockId, ...]] = {}
-    for i, g in enumerate(groups):
-        tables[g.key] = _hit_table(g, ratios[i], hashes._digests, best, scanned.get(i))
+    best = query
+    for f in finders:  # full attention first: one scan bounds every other group
+        if f.full:
+            best = f.scan(best)
+    best = _longest_accepted(finders, best - best % step, step)
+    tables = {f.key: f.table(best) for f in finders}
     return PrefixHit(best, FrozenDict(tables), query)
 
 
-def _is_full(policy: Any) -> bool:
-    return bool(policy.grows_with_tokens and policy.window is None and not policy.may_skip)
+class _Finder:
+    """One group's view of the cache during a lookup (its pool, tag and hash stride)."""
 
+    __slots__ = ("bs", "digests", "full", "key", "m", "memo", "policy", "pool", "scanned", "tag")
 
-def _scan_full(groups: Any, ratios: list[int], hashes: BlockHashes, query: int
-               ) -> dict[int, list[BlockId]]:
-    """Full-attention groups: the cached blocks of the longest cached prefix (one scan)."""
-    scanned: dict[int, list[BlockId]] = {}
-    best = query
-    digests = hashes._digests
-    for i, g in enumerate(groups):
-        if not _is_full(g.policy):
-            continue
-        cache, bs, m = g.cache, g.policy.block_size, ratios[i]
-        index, hash_of = cache.by_hash, cache.hash_of
-        ids = scanned[i] = []
-        for h in digests[m - 1:best // bs * m:m]:
-            found = index.get(h)
+    def __init__(self, state: KVState, g: Any, hashes: BlockHashes) -> None:
+        self.key, self.policy, self.bs = g.key, g.policy, g.policy.block_size
+        if self.bs % hashes.block_size:
+            msg = (f"group {g.key!r} has block_size {self.bs}, not a multiple of the hashes' "
+                   f"block_size {hashes.block_size}")
+            raise InvalidArgumentError(msg)
+        self.m = self.bs // hashes.block_size
+        self.pool = state.pools[g.pool]
+        self.tag = self.pool.tag_of(g.key)
+        self.full = g.traits[1] and g.traits[2] == KEEPS_ALL
+        self.digests = hashes._digests
+        self.scanned: list[int] = []
+        self.memo: dict[int, int | None] = {}
+
+    def find(self, p: int) -> int | None:
+        """The first block cached for this group's block ``p``, or None."""
+        got = self.memo.get(p, -1)
+        if got == -1:
+            found = self.pool.index.get(cache_key(self.digests[(p + 1) * self.m - 1], self.tag))
+            got = found if found is None or type(found) is int else found[0]
+            self.memo[p] = got
+        return None if got is None else int(got)
+
+    def scan(self, best: int) -> int:
+        """Full attention: the cached blocks of the longest cached prefix up to ``best``."""
+        ids = self.scanned
+        index, tag, m = self.pool.index, self.tag, self.m
+        for h in self.digests[m - 1:best // self.bs * m:m]:
+            found = index.get(h if tag is None else h + tag)
             if found is None:
                 break
-            if len(found) == 1 and hash_of[found[0]] == h:
-                ids.append(found[0])
-                continue
-            valid = valid_blocks(index, hash_of, h)
-            if not valid:
-                break
-            ids.append(valid[0])
-        best = len(ids) * bs
-    return scanned
+            ids.append(found if type(found) is int else found[0])
+        return len(ids) * int(self.bs)
 
-
-def _longest_accepted(groups: Any, ratios: list[int], digests: list[bytes], best: int,
-                      step: int) -> int:
-    """The longest length ``<= best`` (a multiple of ``step``) that every group accepts."""
-    memo: dict[tuple[int, int], bool] = {}
-
-    def cached(i: int, pos: int) -> bool:  # is group i's block at ``pos`` cached?
-        got = memo.get((i, pos))
-        if got is None:
-            cache = groups[i].cache
-            got = bool(valid_blocks(cache.by_hash, cache.hash_of,
-                                    digests[(pos + 1) * ratios[i] - 1]))
-            memo[(i, pos)] = got
-        return got
-
-    def accepts(i: int, length: int) -> int:
-        """``length`` if group ``i`` accepts it, else a bound below it for the next try."""
-        policy = groups[i].policy
-        if _is_full(policy):
-            return length  # the scan bounded ``best`` already
-        first, last = hit_span(policy, length)
+    def accepts(self, length: int, step: int) -> int:
+        """``length`` if this group accepts it, else a bound below it for the next try."""
+        if self.full:
+            return length  # the scan bounded it already
+        first, last = hit_span(self.policy, length)
         for p in range(last - 1, first - 1, -1):  # lengths whose span holds a miss fail
-            if not cached(i, p):
-                return p * policy.block_size if policy.grows_with_tokens else length - step
+            if self.find(p) is None:
+                return p * self.bs if self.policy.grows_with_tokens else length - step
         return length
 
+    def table(self, best: int) -> tuple[BlockId, ...]:
+        """The table a hit of ``best`` tokens gives the request in this group."""
+        if best == 0:
+            return ()
+        if self.full:
+            return tuple(self.scanned[:best // self.bs])
+        first, last = hit_span(self.policy, best)
+        found = tuple(int(self.find(p) or 0) for p in range(first, last))  # accepted: all found
+        return found if not self.policy.grows_with_tokens else (NULL_BLOCK,) * first + found
+
+
+def _longest_accepted(finders: list[_Finder], best: int, step: int) -> int:
+    """The longest length ``<= best`` (a multiple of ``step``) that every group accepts."""
     while best > 0:
-        bound = min(accepts(i, best) for i in range(len(groups)))
+        bound = min(f.accepts(best, step) for f in finders)
         if bound == best:
             break
         best = bound - bound % step
     return max(best, 0)
-
-
-def _hit_table(g: Any, ratio: int, digests: list[bytes], best: int,
-               scanned: list[BlockId] | None) -> tuple[BlockId, ...]:
-    """The table a hit of ``best`` tokens gives the request in group ``g``."""
-    policy, cache = g.policy, g.cache
-    if best == 0:
-        return ()
-    if scanned is not None:
-        return tuple(scanned[:best // policy.block_size])
-    first, last = hit_span(policy, best)
-    found = tuple(valid_blocks(cache.by_hash, cache.hash_of, digests[(p + 1) * ratio - 1])[0]
-                  for p in range(first, last))
-    return found if not policy.grows_with_tokens else (NULL_BLOCK,) * first + found

@@ -9,10 +9,9 @@ import attrs
 from kvfunc.core._checks import check_request_id, excerpt
 from kvfunc.core._delta import BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, UnknownRequestError
-from kvfunc.core._group import Transient
 from kvfunc.core._prefix import require_caching
 from kvfunc.core._rows import Row, row_table
-from kvfunc.core._state import KVState, RequestId, check_state, find_group
+from kvfunc.core._state import KVState, RequestId, Transient, check_state, find_group
 
 __all__ = ["PrefixCacheStats", "fork_request", "num_cached_blocks", "reset_prefix_cache"]
 
@@ -56,16 +55,14 @@ def fork_request(state: KVState, parent: RequestId, child: RequestId
         raise InvalidArgumentError(msg)
     sink = DeltaBuilder()
     tr = Transient(state, sink)
-    slots = tr.slots
+    seq, tr.seq = tr.seq, tr.seq + 1
     for i, view in enumerate(state.groups):
         row = view.row(parent)
         if row is None:
             continue
         g = tr.copy(i)
-        g.put(slots.slot_of(parent), _new(Row, (row.ids, row.length, row.nulls, row.length,
-                                                row.stored)))
-        shared = g.share(child, g.register(child), row_table(row))  # type: ignore[attr-defined]
-        g.put(slots.slot_of(child), shared)
+        g.put(parent, _new(Row, (row.blocks, row.nulls, row.stored, row.length, row.seq)))
+        g.put(child, g.share(child, g.register(child, seq), row_table(row)))
     return tr.freeze(), sink.build()
 
 
@@ -90,7 +87,10 @@ def reset_prefix_cache(state: KVState) -> tuple[KVState, BlocksChanged]:
     sink = DeltaBuilder()
     tr = Transient(state, sink)
     for g in tr.all_copies():
-        g.clear()  # type: ignore[attr-defined]
+        g.pool.clear()
+        g.unstore()
+        sink.cleared.append((g.key,))
+        sink.order.append("Z")
     return tr.freeze(), sink.build()
 
 
@@ -103,8 +103,10 @@ def num_cached_blocks(state: KVState, manager_key: str) -> int:
     0
     """
     check_state(state)
-    cache = find_group(state.groups, manager_key).cache
-    return 0 if cache is None else cache.num_cached_blocks
+    pool = state.pools[find_group(state.groups, manager_key).pool]
+    if len(pool.members) == 1:
+        return pool.num_cached
+    return sum(len(blocks) for blocks in pool.cached(manager_key).values())
 
 
 @attrs.frozen(slots=True)

@@ -22,8 +22,8 @@ from typing import Any
 
 from kvfunc.core._checks import excerpt, is_request_id
 from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, BlocksChanged
-from kvfunc.core._errors import ReplayMismatchError, UnknownRequestError
-from kvfunc.core._group import GroupCopy, Transient
+from kvfunc.core._errors import InvalidTypeError, ReplayMismatchError, UnknownRequestError
+from kvfunc.core._group import GroupCopy
 from kvfunc.core._ops import (
     Appended,
     Cleared,
@@ -37,8 +37,9 @@ from kvfunc.core._ops import (
     Shared,
     Stored,
 )
-from kvfunc.core._rows import EMPTY_ROW, Row, extend_row, replace_entry
-from kvfunc.core._state import KVState, check_state
+from kvfunc.core._pool import cache_key
+from kvfunc.core._rows import Row
+from kvfunc.core._state import KVState, Transient, check_state
 
 __all__ = ["apply_delta_into", "replay"]
 
@@ -71,6 +72,9 @@ def replay(state: KVState, deltas: Iterable[BlocksChanged]) -> KVState:
     kvfunc.core._errors.ReplayMismatchError: delta 0, operation 0 Released(...): ...
     """
     check_state(state)
+    if isinstance(deltas, BlocksChanged) or not isinstance(deltas, Iterable):
+        msg = f"deltas must be an iterable of BlocksChanged, got {excerpt(deltas)}"
+        raise InvalidTypeError(msg)
     tr = Transient(state)
     for n, delta in enumerate(deltas):
         apply_delta_into(tr, delta, n)
@@ -83,12 +87,22 @@ def apply_delta_into(tr: Transient, delta: BlocksChanged, index: int = 0) -> Non
         msg = f"delta {index}: expected a BlocksChanged delta, got {type(delta).__name__}"
         raise ReplayMismatchError(msg)
     pending: dict[str, list[int]] = {}
+    seqs: dict[Any, int] = {}  # a request registered by this delta: its seq
+    run: list[Any] = []  # consecutive Freed rows: one free call of the transition
     op: Any = None
     i = -1
     try:
         for op in delta.operations():
             i += 1
-            _apply(tr, op, pending)
+            if run and (type(op) is not Freed or op.key != run[0].key):
+                _freed_run(tr, run, pending)
+            if type(op) is Freed:
+                run.append(op)
+                continue
+            _apply(tr, op, pending, seqs)
+        if run:
+            op = run[-1]
+            _freed_run(tr, run, pending)
     except ReplayMismatchError as exc:  # a malformed delta: its own message
         raise ReplayMismatchError(f"delta {index}: {exc}") from None
     except (_Mismatch, UnknownRequestError) as exc:
@@ -100,14 +114,18 @@ def apply_delta_into(tr: Transient, delta: BlocksChanged, index: int = 0) -> Non
         raise ReplayMismatchError(msg)
 
 
-def _apply(tr: Transient, op: Any, pending: dict[str, list[int]]) -> None:
+def _apply(tr: Transient, op: Any, pending: dict[str, list[int]], seqs: dict[Any, int]
+           ) -> None:
     if type(op) is LookedUp:
         _request_id(op.request_id)
         return
     if type(op.key) is not str:
         _fail(f"manager key {excerpt(op.key)} is not a str")
     g = tr.group(op.key)
-    _HANDLERS[type(op)](tr, g, op, pending.setdefault(g.key, []))
+    if type(op) is Registered:
+        _registered(tr, g, op, seqs)
+        return
+    _HANDLERS[type(op)](g, op, pending.setdefault(g.pool.members[0], []))
 
 
 def _fail(msg: str) -> Any:
@@ -120,165 +138,188 @@ def _request_id(value: object) -> None:
 
 
 def _block(g: GroupCopy, value: object) -> int:
-    if type(value) is not int or not 0 < value < g.policy.num_blocks:
+    if type(value) is not int or not 0 < value < g.pool.num_blocks:
         _fail(f"block {excerpt(value)} is out of range for {g.key!r}")
     return value  # type: ignore[return-value]
 
 
-def _keeps_every_token(g: GroupCopy) -> bool:
-    """True when the group's policy never skips a token (no null entries, nothing slides out)."""
-    return g.policy.window is None and not g.policy.may_skip
-
-
 def _take(g: GroupCopy, b: int) -> None:
-    """Take the head of the free queue, which must be block ``b``."""
-    if g.count == 0:
+    """Take the head of the pool's free queue, which must be block ``b``."""
+    if g.pool.count == 0:
         _fail(f"{g.key!r} has no free block for {b}")
-    (taken,) = g.take(1)
+    (taken,) = g.pool.take(1)
     if taken != b:
         _fail(f"{g.key!r} hands out block {taken}, the delta says {b}")
 
 
-def _row(tr: Transient, g: GroupCopy, request_id: object) -> tuple[int, Row]:
+def _row(g: GroupCopy, request_id: object) -> Row:
     _request_id(request_id)
-    slot = tr.slots.get(request_id)  # type: ignore[arg-type]
-    row = g.row(slot) if slot is not None else None
+    row = g.row(request_id)
     if row is None:
         _fail(f"request {excerpt(request_id)} is not registered in {g.key!r}")
-    return slot, row  # type: ignore[return-value]
+    return row  # type: ignore[return-value]
 
 
-def _drop_holder(g: Any, b: int, pending: list[int]) -> None:
+def _drop_holder(g: GroupCopy, b: int, pending: list[int]) -> None:
     """One holder of ``b`` is gone; it waits for its Freed row if it was the last."""
-    if g.caching:
-        g.writing()
-        r = g.refs[b] - 1
-        g.refs[b] = r
+    pool = g.pool
+    if pool.linked:
+        pool.writing()
+        r = pool.refs[b] - 1
+        pool.refs[b] = r
         if r:
             return
     pending.append(b)
 
 
-def _registered(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
+def _registered(tr: Transient, g: GroupCopy, op: Any, seqs: dict[Any, int]) -> None:
     _request_id(op.request_id)
-    slot = tr.slots.slot_of(op.request_id)
-    if g.row(slot) is not None:
+    if g.row(op.request_id) is not None:
         _fail("the request is registered already")
-    g.put(slot, EMPTY_ROW)
+    seq = seqs.get(op.request_id)
+    if seq is None:
+        seq = seqs[op.request_id] = tr.seq
+        tr.seq += 1
+    g.put(op.request_id, Row((), 0, 0, 0, seq))
 
 
-def _released(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
-    slot, row = _row(tr, g, op.request_id)
-    g.drop(slot, op.request_id)
+def _released(g: GroupCopy, op: Any, pending: list[int]) -> None:
+    row = _row(g, op.request_id)
+    g.rows.pop(op.request_id)
+    g.changed = True
     for b in g.release_order(row):
         _drop_holder(g, b, pending)
 
 
-def _nulled(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
-    slot, row = _row(tr, g, op.request_id)
-    if op.position != row.nulls or row.nulls >= row.length:
+def _nulled(g: GroupCopy, op: Any, pending: list[int]) -> None:
+    row = _row(g, op.request_id)
+    if op.position != row.nulls or not row.blocks:
         _fail(f"position {excerpt(op.position)} does not extend the null prefix {row.nulls}")
-    if _keeps_every_token(g):
+    if g.keeps_every_token:
         _fail(f"{g.key!r} keeps every token: nothing slides out")
-    g.put(slot, _new(Row, (row.ids, row.length, row.nulls + 1, row.shared, row.stored)))
-    _drop_holder(g, row.ids[op.position], pending)
+    g.put(op.request_id, _new(Row, (row.blocks[1:], row.nulls + 1, row.stored, row.shared,
+                                    row.seq)))
+    _drop_holder(g, row.blocks[0], pending)
 
 
-def _freed(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
-    b = _block(g, op.block_id)
-    if b not in pending:
-        _fail(f"block {b} is freed, but no operation of the delta left it without a holder")
-    pending.remove(b)
-    g.free((b,))
+def _freed_run(tr: Transient, run: list[Any], pending: dict[str, list[int]]) -> None:
+    """A run of Freed rows: the blocks one free call of the transition returned, at once."""
+    key = run[0].key
+    if type(key) is not str:
+        _fail(f"manager key {excerpt(key)} is not a str")
+    g = tr.group(key)
+    left = pending.setdefault(g.pool.members[0], [])
+    ids = []
+    for op in run:
+        b = _block(g, op.block_id)
+        if b not in left:
+            _fail(f"block {b} is freed, but no operation of the delta left it without a holder")
+        left.remove(b)
+        ids.append(b)
+    run.clear()
+    g.pool.free(ids, g.key)
 
 
-def _appended(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
-    slot, row = _row(tr, g, op.request_id)
+def _appended(g: GroupCopy, op: Any, pending: list[int]) -> None:
+    row = _row(g, op.request_id)
     if op.block_id == 0:
-        if _keeps_every_token(g):
+        if g.keeps_every_token:
             _fail(f"a null entry in {g.key!r}, whose policy keeps every token")
-        if row.length != row.nulls:
+        if row.blocks:
             _fail("a null entry after a real one")
-        g.put(slot, extend_row(row, (), 1))
+        g.put(op.request_id, _new(Row, ((), row.nulls + 1, row.stored, row.shared, row.seq)))
         return
     b = _block(g, op.block_id)
     _take(g, b)
-    g.put(slot, extend_row(row, (b,)))
+    g.put(op.request_id, _new(Row, (row.blocks + (b,), row.nulls, row.stored, row.shared,
+                                    row.seq)))
 
 
-def _shared(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
-    slot, row = _row(tr, g, op.request_id)
+def _shared(g: GroupCopy, op: Any, pending: list[int]) -> None:
+    row = _row(g, op.request_id)
     b = _block(g, op.block_id)
-    if not g.caching:
-        _fail(f"{g.key!r} has no reference counts: nothing can be shared")
-    cache: Any = g
-    if not cache.refs[b] and cache.hash_of[b] is None:
+    pool = g.pool
+    if not pool.caching:
+        _fail(f"{g.key!r} has no prefix cache: nothing can be shared")
+    if not pool.refs[b] and pool.hash_of[b] is None:
         _fail(f"block {b} is free and holds nothing cached: it cannot be shared")
-    g.put(slot, cache.share(op.request_id, row, (b,)))
+    if pool.refs[b] and pool.hash_of[b] is None:  # a fork: the holders now share a block
+        for rid, other in g.items():              # they may write into, so they copy first
+            if b in other.blocks:
+                pos = other.nulls + other.blocks.index(b) + 1
+                if other.shared < pos:
+                    g.put(rid, other._replace(shared=pos))
+        row = g.row(op.request_id) or row
+    g.put(op.request_id, g.share(op.request_id, row, (b,)))
 
 
-def _copied(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
-    if not g.caching:
-        _fail(f"{g.key!r} has no reference counts: nothing is copied")
-    slot, row = _row(tr, g, op.request_id)
+def _copied(g: GroupCopy, op: Any, pending: list[int]) -> None:
+    if not g.pool.caching:
+        _fail(f"{g.key!r} has no prefix cache: nothing is copied")
+    row = _row(g, op.request_id)
     src, dst, pos = _block(g, op.src_block_id), _block(g, op.dst_block_id), op.position
     if pos == COPY_INTO_NEW:
-        if row.nulls >= row.length or row.ids[row.nulls] != dst:
+        if not row.blocks or row.blocks[0] != dst:
             _fail(f"block {dst} is not the request's new block")
         return
     if type(pos) is not int or not (pos == COPY_SAVED or row.nulls <= pos < row.length):
         _fail(f"position {excerpt(pos)} is not in the request's table")
-    if pos >= 0 and row.ids[pos] != src:
-        _fail(f"position {pos} holds block {row.ids[pos]}, not {src}")
+    if pos >= 0 and row.blocks[pos - row.nulls] != src:
+        _fail(f"position {pos} holds block {row.blocks[pos - row.nulls]}, not {src}")
     _take(g, dst)
     if pos == COPY_SAVED:
         return  # held by nobody once its Stored row caches it
-    new = replace_entry(row, pos, dst)
-    g.put(slot, _new(Row, (new.ids, new.length, new.nulls, new.shared, min(new.stored, pos))))
+    i = pos - row.nulls
+    blocks = row.blocks[:i] + (dst,) + row.blocks[i + 1:]
+    g.put(op.request_id, _new(Row, (blocks, row.nulls, min(row.stored, pos), row.shared,
+                                    row.seq)))
     _drop_holder(g, src, pending)
 
 
-def _stored(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
-    cache: Any = g
-    if not g.caching:
+def _stored(g: GroupCopy, op: Any, pending: list[int]) -> None:
+    pool = g.pool
+    if not pool.caching:
         _fail(f"{g.key!r} has no prefix cache")
     b = _block(g, op.block_id)
-    if type(op.block_hash) is not bytes or cache.hash_of[b] is not None:
+    if type(op.block_hash) is not bytes or not op.block_hash or pool.hash_of[b] is not None:
         _fail(f"block {b} cannot be cached under {excerpt(op.block_hash)}")
+    key = cache_key(op.block_hash, g.tag)
     if op.position == COPY_SAVED:
-        if cache.refs[b] != 1:
+        if pool.refs[b] != 1:
             _fail(f"block {b} was not just taken to save a state")
-        cache.cache_block(b, op.block_hash)
+        pool.store(b, key)
         _drop_holder(g, b, pending)
         return
-    slot, row = _row(tr, g, op.request_id)
+    row = _row(g, op.request_id)
     pos = op.position
-    if type(pos) is not int or not 0 <= pos < row.length or row.ids[pos] != b or pos < row.nulls:
+    if (type(pos) is not int or not row.nulls <= pos < row.length
+            or row.blocks[pos - row.nulls] != b):
         _fail(f"block {b} is not at position {excerpt(pos)} of the request's table")
-    if any(cache.hash_of[row.ids[q]] is None for q in range(max(row.stored, row.nulls), pos)):
+    if any(pool.hash_of[row.blocks[q - row.nulls]] is None
+           for q in range(max(row.stored, row.nulls), pos)):
         _fail("a block before it is not cached")
-    cache.cache_block(b, op.block_hash)
-    g.put(slot, _new(Row, (row.ids, row.length, row.nulls, max(row.shared, pos + 1), pos + 1)))
+    pool.store(b, key)
+    g.put(op.request_id, _new(Row, (row.blocks, row.nulls, pos + 1, max(row.shared, pos + 1),
+                                    row.seq)))
 
 
-def _evicted(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
-    cache: Any = g
+def _evicted(g: GroupCopy, op: Any, pending: list[int]) -> None:
+    pool = g.pool
     b = _block(g, op.block_id)
-    if not g.caching or cache.refs[b] or cache.hash_of[b] != op.block_hash:
+    if (not pool.caching or type(op.block_hash) is not bytes or pool.refs[b]
+            or pool.hash_of[b] != cache_key(op.block_hash, g.tag)):
         _fail(f"block {b} is not a free block cached under {excerpt(op.block_hash)}")
-    cache.writing()
-    cache.hash_of[b] = None
-    cache.num_cached -= 1
+    pool.evict(b)
 
 
-def _cleared(tr: Transient, g: GroupCopy, op: Any, pending: list[int]) -> None:
-    if not g.caching:
+def _cleared(g: GroupCopy, op: Any, pending: list[int]) -> None:
+    if not g.pool.caching:
         _fail(f"{g.key!r} has no prefix cache")
-    g.clear()  # type: ignore[attr-defined]
+    g.pool.clear()
+    g.unstore()
 
 
 _HANDLERS: dict[type[Any], Any] = {
-    Registered: _registered, Released: _released, Nulled: _nulled, Freed: _freed,
-    Appended: _appended, Shared: _shared, Copied: _copied, Stored: _stored, Evicted: _evicted,
-    Cleared: _cleared,
+    Released: _released, Nulled: _nulled, Appended: _appended, Shared: _shared,
+    Copied: _copied, Stored: _stored, Evicted: _evicted, Cleared: _cleared,
 }

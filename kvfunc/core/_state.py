@@ -1,23 +1,29 @@
-"""The allocator's state: immutable values, cheap to keep.
+"""The allocator's state: pools and groups as immutable values, and their working copy.
 
 Theory of operation
 -------------------
-A :class:`KVState` is ``max_model_len`` and a tuple of :class:`GroupState`,
-one per manager key in manager order.  A group holds
+A :class:`KVState` is ``max_model_len``, a tuple of block pools
+(:class:`~kvfunc.core._pool.PoolState`) and a tuple of groups
+(:class:`~kvfunc.core._group.GroupState`, one per manager key in manager
+order), each drawing its blocks from one pool.  Two layouts, chosen when the
+state is made (``layout=``):
 
-* its policy (a frozen record: pool size, block size, type parameters);
-* its block tables as rows (``_rows``): a persistent vector of
-  :class:`~kvfunc.core._rows.Row` indexed by the slot that the lineage's
-  shared :class:`~kvfunc.core._rows.SlotMap` gives each request id;
-* the free queue (``_pool``): a ring of chunks with ``free_head`` and
-  ``num_free``, exactly the seed's FIFO;
-* ``num_detached``: blocks taken straight from the pool (the seed's
-  ``BlockPool.get_new_blocks``) that no request holds;
-* with prefix caching, a :class:`~kvfunc.core._cache.GroupCache`.
+* ``"per-type"`` -- a pool per group (the seed's layout): each group's
+  ``num_blocks`` sizes its own pool and its ids are its own;
+* ``"shared"`` -- one pool for every group (vLLM's hybrid layout): ids are
+  unique across groups, one free count and one eviction order cover them
+  all, and a step's room check sums every group's need first.
 
-Conservation: ``num_free + held + num_detached == num_blocks - 1``, where
-``held`` counts the distinct non-null blocks of all tables; the null block 0
-is never free and never held.  :func:`check_invariants` checks it and more.
+A mapping ``{pool name: [manager keys]}`` names any other grouping.  Every
+group of a pool states the pool's size as its policy's ``num_blocks``.
+
+A :class:`Transient` is the working copy of a state that one transition (or
+the compat facade, between calls) edits: a group's
+:class:`~kvfunc.core._group.GroupCopy` and its pool's
+:class:`~kvfunc.core._pool.PoolCopy` are made on first write, and
+:meth:`Transient.freeze` builds the new state from what changed.  The input
+state is never touched, so a refusal returns it and an error leaves it as
+it was.
 """
 
 from __future__ import annotations
@@ -26,27 +32,29 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NoReturn, TypeVar
 
 import attrs
-from pyrsistent import PVector, pvector
 
-from kvfunc.core._cache import GroupCache, live_ring_ids
 from kvfunc.core._checks import MAX_NUM_BLOCKS, excerpt
+from kvfunc.core._delta import DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, UnknownRequestError
-from kvfunc.core._policy import Policy, policies_by_key, policy_class
-from kvfunc.core._pool import FREE_CHUNK, new_ring, ring_entries
-from kvfunc.core._rows import Row, SlotMap, TablesView, row_of, row_table
+from kvfunc.core._group import GroupCopy, GroupState
+from kvfunc.core._policy import Policy, check_hints, policies_by_key, policy_class
+from kvfunc.core._pool import EMPTY_MAP, PoolCopy, PoolState
+from kvfunc.core._rows import Row
 
 __all__ = [
-    "NULL_BLOCK", "BlockId", "FrozenDict", "GroupState", "KVState", "RequestId",
-    "check_state", "find_group", "reslot", "usage_string",
+    "LAYOUTS", "NULL_BLOCK", "BlockId", "FrozenDict", "KVState", "RequestId", "Transient",
+    "check_state", "find_group", "usage_string",
 ]
 
 BlockId = int
 RequestId = str | int
 NULL_BLOCK: BlockId = 0
+LAYOUTS = ("per-type", "shared")
+FREE_ORDERS = ("seed", "vllm")
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
-_EMPTY_ROWS: PVector[Row | None] = pvector()
+_set = object.__setattr__
 
 
 class FrozenDict(dict[_K, _V]):
@@ -82,172 +90,81 @@ class FrozenDict(dict[_K, _V]):
         return hash(frozenset(self.items()))
 
 
-@attrs.frozen(slots=True, eq=False, repr=False)
-class GroupState:
-    """One manager key's pool and block tables (see the module docstring)."""
-
-    key: str
-    policy: Policy
-    rows: PVector[Row | None]
-    num_rows: int
-    slots: SlotMap
-    free_ring: PVector[tuple[BlockId, ...]]
-    free_head: int
-    num_free: int
-    num_detached: int = 0
-    cache: GroupCache | None = None
-
-    @classmethod
-    def create(cls, key: str, policy: Policy, *, caching: bool = False,
-               slots: SlotMap | None = None) -> GroupState:
-        """A fresh group: ids ``1 .. num_blocks - 1`` free in order, null block 0.
-
-        With ``caching`` the group also counts references and keeps a prefix
-        cache (see :class:`~kvfunc.core._cache.GroupCache`).
-
-        >>> from kvfunc.core._policy import FullAttention
-        >>> GroupState.create("full", FullAttention(num_blocks=4, block_size=16)).free_block_ids()
-        (1, 2, 3)
-        """
-        n = policy.num_blocks
-        if type(n) is not int or not 0 < n <= MAX_NUM_BLOCKS:
-            msg = f"group {key!r}: num_blocks must be in 1..{MAX_NUM_BLOCKS}, got {excerpt(n)}"
-            raise InvalidArgumentError(msg)
-        slots = SlotMap() if slots is None else slots
-        if caching:  # every block starts on the stack; the ring (twice the room) starts empty
-            return cls(key, policy, _EMPTY_ROWS, 0, slots, new_ring((), 2 * (n - 1)), 0, n - 1,
-                       0, GroupCache.create(n))
-        return cls(key, policy, _EMPTY_ROWS, 0, slots, new_ring(range(1, n), n - 1), 0, n - 1)
-
-    def row(self, request_id: RequestId) -> Row | None:
-        """The request's row, or None when it is not registered here."""
-        return row_of(self.rows, self.slots, request_id)
-
-    def table(self, request_id: RequestId) -> tuple[BlockId, ...]:
-        """The request's block ids in logical order (null entries are 0; ``()`` when unknown)."""
-        row = self.row(request_id)
-        return () if row is None else row_table(row)
-
-    @property
-    def tables(self) -> Mapping[RequestId, tuple[BlockId, ...]]:
-        """Every registered request's table, as a read-only mapping built on access."""
-        return TablesView(self.rows, self.slots)
-
-    def free_block_ids(self) -> tuple[BlockId, ...]:
-        """Free block ids in hand-out order (head first)."""
-        cache = self.cache
-        if cache is None:
-            return tuple(ring_entries(self.free_ring, self.free_head, self.num_free))
-        ring, head = self.free_ring, self.free_head
-        live = live_ring_ids(lambda c: ring[c], FREE_CHUNK, head, len(ring) * FREE_CHUNK,
-                             cache.ring_entries, cache.stale)
-        return (*cache.stack_ids(), *live)
-
-    def num_held(self) -> int:
-        """Distinct non-null blocks held by tables."""
-        return len({b for t in self.tables.values() for b in t if b})
-
-    def _identity(self) -> tuple[Any, ...]:
-        cache = None if self.cache is None else self.cache.identity()
-        return (self.key, self.policy, dict(self.tables), self.free_block_ids(),
-                self.num_detached, cache)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, GroupState):
-            return NotImplemented
-        return self is other or self._identity() == other._identity()
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return (f"GroupState(key={self.key!r}, policy={self.policy!r}, "
-                f"tables={dict(self.tables)!r}, free={self.num_free}, "
-                f"detached={self.num_detached})")
-
-
-def reslot(groups: Iterable[GroupState]) -> tuple[GroupState, ...]:
-    """The same groups on one fresh :class:`SlotMap` holding only their live requests."""
-    groups = tuple(groups)
-    slots = SlotMap()
-    rebuilt = []
-    for g in groups:
-        rows: list[Row | None] = []
-        for rid in g.tables:
-            slot = slots.slot_of(rid)
-            rows.extend([None] * (slot + 1 - len(rows)))
-            rows[slot] = g.row(rid)
-        rebuilt.append(attrs.evolve(g, rows=pvector(rows), slots=slots))
-    return tuple(rebuilt)
-
-
-@attrs.frozen(slots=True, repr=False)
+@attrs.frozen(slots=True, repr=False, eq=False)
 class KVState:
-    """The whole allocator state: one :class:`GroupState` per manager key.
+    """The whole allocator state: block pools and the groups that draw from them.
 
-    States are values: equal when their groups are equal, never mutated.
-    Keeping an old state costs only what later states changed.
+    States are values: equal when their pools and groups are equal, never
+    mutated.  Keeping an old state costs only what later states changed.
 
     >>> from kvfunc.core._policy import FullAttention, SlidingWindow
     >>> s = KVState.create({"full": FullAttention(num_blocks=20, block_size=16),
     ...                     "swa": SlidingWindow(num_blocks=10, block_size=16,
     ...                                          sliding_window=64)},
     ...                    max_model_len=4096)
-    >>> s.manager_keys
-    ('full', 'swa')
+    >>> s.manager_keys, s.layout
+    (('full', 'swa'), 'per-type')
     """
 
     max_model_len: int
+    pools: tuple[PoolState, ...]
     groups: tuple[GroupState, ...]
-    #: the fold's lane over this state's rows, cached by the first step run on it (the
-    #: state is immutable, so it stays true); a slot, not a dict: states are kept by the
-    #: thousand
-    _lane: Any = attrs.field(init=False, default=None, eq=False, repr=False)
-
-    def __attrs_post_init__(self) -> None:
-        groups = self.groups
-        if groups and any(g.slots is not groups[0].slots for g in groups):
-            object.__setattr__(self, "groups", reslot(groups))  # built from several lineages
+    #: registrations so far: a new row's ``seq`` (listing order), not part of equality
+    seq: int = 0
 
     @classmethod
     def create(cls, groups: Mapping[str, Policy], max_model_len: int, *,
-               enable_prefix_caching: bool = False) -> KVState:
+               enable_prefix_caching: bool = False,
+               layout: str | Mapping[str, Iterable[str]] = "per-type",
+               free_order: str = "seed") -> KVState:
         """A fresh state from ``{manager_key: policy}`` in manager order.
 
         ``enable_prefix_caching`` turns on reference counts, the prefix cache
-        and forks in every group (see :func:`~kvfunc.lookup_prefix`); without
-        it the state hands out exactly the seed's block ids.
+        and forks (see :func:`~kvfunc.lookup_prefix`); without it the state
+        hands out exactly the seed's block ids.  ``layout`` is ``"per-type"``
+        (a pool per group), ``"shared"`` (one pool; every policy states its
+        ``num_blocks``) or ``{pool name: [manager keys]}``.  ``free_order``
+        is ``"seed"`` (FIFO reuse) or ``"vllm"`` (vLLM's free queue: reuse
+        last in, first out); prefix caching always keeps vLLM's order.
 
-        >>> from kvfunc.core._policy import FullAttention
+        >>> from kvfunc.core._policy import FullAttention, SlidingWindow
         >>> KVState.create({"full": FullAttention(num_blocks=3, block_size=4)}, 64)
         KVState(max_model_len=64, groups=('full',), usage='full:1/3')
+        >>> s = KVState.create({"full": FullAttention(num_blocks=8, block_size=4),
+        ...                     "swa": SlidingWindow(num_blocks=8, block_size=4,
+        ...                                          sliding_window=8)}, 64, layout="shared")
+        >>> [(p.name, p.members) for p in s.pools]
+        [('shared', ('full', 'swa'))]
         """
         if type(max_model_len) is not int or max_model_len < 0:
             msg = f"max_model_len must be a non-negative int, but got {excerpt(max_model_len)}"
             raise InvalidArgumentError(msg)
-        if type(enable_prefix_caching) is not bool:
-            msg = f"enable_prefix_caching must be a bool, but got {excerpt(enable_prefix_caching)}"
+        for name, value in (("enable_prefix_caching", enable_prefix_caching),):
+            if type(value) is not bool:
+                raise InvalidArgumentError(f"{name} must be a bool, but got {excerpt(value)}")
+        if free_order not in FREE_ORDERS:
+            msg = f"free_order must be one of {list(FREE_ORDERS)}, but got {excerpt(free_order)}"
             raise InvalidArgumentError(msg)
         items = policies_by_key(groups)
-        if enable_prefix_caching:
-            for k, p in items:
-                if p.window is not None and p.window < 1:
-                    msg = (f"group {k!r}: prefix caching needs a window of at least one token, "
-                           f"got {p.window}")
-                    raise InvalidArgumentError(msg)
-        slots = SlotMap()
-        return cls(max_model_len, tuple(
-            GroupState.create(k, p, caching=enable_prefix_caching, slots=slots)
-            for k, p in items))
-
-    @property
-    def prefix_caching(self) -> bool:
-        """True when the state was created with ``enable_prefix_caching``."""
-        groups = self.groups
-        return bool(groups) and groups[0].cache is not None  # all groups cache, or none
+        for key, policy in items:
+            check_hints(key, policy)
+            if enable_prefix_caching and policy.window is not None and policy.window < 1:
+                msg = (f"group {key!r}: prefix caching needs a window of at least one token, "
+                       f"got {policy.window}")
+                raise InvalidArgumentError(msg)
+        plan = pool_plan(items, layout)
+        linked = enable_prefix_caching or free_order == "vllm"
+        pools = tuple(PoolState.create(name, members, size, linked=linked,
+                                       caching=enable_prefix_caching)
+                      for name, members, size in plan)
+        where = {k: j for j, (_, members, _) in enumerate(plan) for k in members}
+        return cls(max_model_len, pools,
+                   tuple(GroupState(k, p, where[k], EMPTY_MAP) for k, p in items))
 
     @classmethod
     def from_cache_info(cls, info: Any, block_num_by_type: Mapping[str, int], max_model_len: int,
-                        *, enable_prefix_caching: bool = False) -> KVState:
+                        *, enable_prefix_caching: bool = False,
+                        layout: str | Mapping[str, Iterable[str]] = "per-type") -> KVState:
         """A fresh state whose groups follow a ``ModelCacheInfo`` (seed §3.5).
 
         Entries with ``needs_block`` are grouped by ``group_key`` in order of
@@ -260,8 +177,27 @@ class KVState:
         >>> KVState.from_cache_info(info, {"FullAttention": 100}, 8192).manager_keys
         ('FullAttention',)
         """
+        if not hasattr(info, "layer_infos"):
+            msg = f"info must be a ModelCacheInfo, but got {type(info).__name__}"
+            raise InvalidTypeError(msg)
+        if not isinstance(block_num_by_type, Mapping):
+            msg = (f"block_num_by_type must be a mapping of manager keys to block counts, "
+                   f"but got {type(block_num_by_type).__name__}")
+            raise InvalidTypeError(msg)
         return cls.create(dict(_policies_from_cache_info(info, block_num_by_type)), max_model_len,
-                          enable_prefix_caching=enable_prefix_caching)
+                          enable_prefix_caching=enable_prefix_caching, layout=layout)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """True when the state was created with ``enable_prefix_caching``."""
+        return bool(self.pools) and self.pools[0].hash_of is not None  # all pools, or none
+
+    @property
+    def layout(self) -> str:
+        """``"per-type"``, ``"shared"``, or ``"custom"`` for another grouping."""
+        if all(len(p.members) == 1 for p in self.pools):
+            return "per-type"
+        return "shared" if len(self.pools) == 1 else "custom"
 
     @property
     def manager_keys(self) -> tuple[str, ...]:
@@ -272,17 +208,163 @@ class KVState:
         """The group of ``key``; unknown keys raise :class:`~kvfunc.UnknownRequestError`."""
         return find_group(self.groups, key)
 
+    def pool_of(self, key: str) -> PoolState:
+        """The pool the group of ``key`` draws from."""
+        return self.pools[find_group(self.groups, key).pool]
+
     def request_ids(self) -> tuple[RequestId, ...]:
-        """Every request registered in any group, in slot order (first registration first)."""
-        seen: dict[RequestId, None] = {}
+        """Every request registered in any group, in registration order."""
+        seen: dict[RequestId, int] = {}
         for g in self.groups:
-            seen.update(dict.fromkeys(g.tables))
-        return tuple(sorted(seen, key=self.groups[0].slots.slots.__getitem__)) if seen else ()
+            for rid, row in g.rows.items():
+                if rid not in seen or row.seq < seen[rid]:
+                    seen[rid] = row.seq
+        return tuple(sorted(seen, key=seen.__getitem__))
+
+    def identity(self) -> tuple[Any, ...]:
+        """What equality compares."""
+        return (self.max_model_len, tuple(p.identity() for p in self.pools),
+                tuple(g.identity() for g in self.groups))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KVState):
+            return NotImplemented
+        return self is other or self.identity() == other.identity()
+
+    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        usage = usage_string((g.key, g.policy.num_blocks, g.num_free) for g in self.groups)
+        usage = usage_string((g.key, self.pools[g.pool].num_blocks, self.pools[g.pool].num_free)
+                             for g in self.groups)
         return (f"KVState(max_model_len={self.max_model_len}, "
                 f"groups={self.manager_keys!r}, usage={usage!r})")
+
+
+def pool_plan(items: tuple[tuple[str, Any], ...], layout: object
+              ) -> list[tuple[str, tuple[str, ...], int]]:
+    """``(pool name, member keys, num_blocks)`` per pool of a layout, checked."""
+    keys = [k for k, _ in items]
+    if layout == "per-type":
+        groups: list[tuple[str, tuple[str, ...]]] = [(k, (k,)) for k in keys]
+    elif layout == "shared":
+        groups = [("shared", tuple(keys))] if keys else []
+    elif isinstance(layout, Mapping):
+        groups = _named_pools(layout, keys)
+    else:
+        msg = (f"layout must be one of {list(LAYOUTS)} or a mapping of pool names to manager "
+               f"keys, but got {excerpt(layout)}")
+        raise InvalidArgumentError(msg)
+    sizes = dict(items)
+    plan = []
+    for name, members in groups:
+        counts = {sizes[k].num_blocks for k in members}
+        if len(counts) != 1:
+            msg = (f"the groups of pool {name!r} must state one num_blocks (the pool's), "
+                   f"got {sorted(counts)}")
+            raise InvalidArgumentError(msg)
+        if len(members) > 255:
+            raise InvalidArgumentError(f"pool {name!r} has more than 255 groups")
+        plan.append((name, members, counts.pop()))
+    return plan
+
+
+def _named_pools(layout: Mapping[Any, Any], keys: list[str]) -> list[tuple[str, tuple[str, ...]]]:
+    out: list[tuple[str, tuple[str, ...]]] = []
+    seen: list[str] = []
+    for name, members in layout.items():
+        if type(name) is not str or not name or isinstance(members, str | bytes) or not (
+                isinstance(members, Iterable)):
+            raise InvalidArgumentError(f"layout: pool {excerpt(name)} must name its manager keys")
+        members = tuple(members)
+        if not members or any(m not in keys for m in members):
+            raise InvalidArgumentError(f"layout: pool {name!r} names unknown or no manager keys "
+                                       f"{excerpt(members)}; known keys: {keys}")
+        seen.extend(members)
+        out.append((name, tuple(k for k in keys if k in members)))
+    if sorted(seen) != sorted(keys):
+        msg = f"layout must place every manager key in exactly one pool, got {excerpt(layout)}"
+        raise InvalidArgumentError(msg)
+    return out
+
+
+class Transient:
+    """The working copy of a :class:`KVState` (see the module docstring).
+
+    ``views[i]`` is what group ``i`` reads from: the published group until
+    :meth:`copy` makes its working copy.
+    """
+
+    __slots__ = ("caching", "checked", "copies", "group_pool", "max_model_len", "pool_copies",
+                 "pools", "seq", "sink", "src", "views")
+
+    def __init__(self, state: KVState, sink: DeltaBuilder | None = None) -> None:
+        self.src = state
+        self.max_model_len = state.max_model_len
+        self.sink = sink
+        self.seq = state.seq
+        self.caching = state.prefix_caching
+        self.views: list[Any] = list(state.groups)
+        self.copies: list[GroupCopy | None] = [None] * len(state.groups)
+        self.pools: list[Any] = list(state.pools)
+        self.pool_copies: list[PoolCopy | None] = [None] * len(state.pools)
+        self.group_pool = tuple(g.pool for g in state.groups)
+        self.checked: set[int] = set()  # hash block sizes checked against the groups
+
+    def copy(self, i: int) -> GroupCopy:
+        """The working copy of group ``i`` (made on first use, with its pool's)."""
+        g = self.copies[i]
+        if g is None:
+            g = self.copies[i] = self.views[i] = GroupCopy(self.views[i],
+                                                           self.pool(self.group_pool[i]),
+                                                           self.sink)
+        return g
+
+    def pool(self, j: int) -> PoolCopy:
+        """The working copy of pool ``j`` (made on first use)."""
+        p = self.pool_copies[j]
+        if p is None:
+            p = self.pool_copies[j] = self.pools[j] = PoolCopy(self.pools[j], self.sink)
+        return p
+
+    def free_count(self, j: int) -> int:
+        """Free blocks of pool ``j`` now."""
+        pool = self.pools[j]
+        return pool.count if self.pool_copies[j] is not None else pool.num_free  # type: ignore
+
+    def all_copies(self) -> list[GroupCopy]:
+        """Every group's working copy."""
+        return [self.copy(i) for i in range(len(self.views))]
+
+    def index(self, key: str) -> int:
+        """The position of ``key``'s group."""
+        return self.views.index(find_group(self.views, key))
+
+    def group(self, key: str) -> GroupCopy:
+        """The working copy of ``key``'s group."""
+        return self.copy(self.index(key))
+
+    def row(self, i: int, request_id: Any) -> Row | None:
+        """Group ``i``'s row of ``request_id`` (working copy or published)."""
+        found: Row | None = self.views[i].rows.get(request_id)
+        return found
+
+    def freeze(self) -> KVState:
+        """The current state as a value (the input state when nothing changed)."""
+        src = self.src
+        pools = [p if c is None else c.freeze() for p, c in zip(src.pools, self.pool_copies,
+                                                                 strict=True)]
+        groups = [g if c is None else c.freeze(g.pool) for g, c in zip(src.groups, self.copies,
+                                                                      strict=True)]
+        if (all(a is b for a, b in zip(pools, src.pools, strict=True))
+                and all(a is b for a, b in zip(groups, src.groups, strict=True))):
+            return src
+        state = object.__new__(KVState)
+        _set(state, "max_model_len", self.max_model_len)
+        _set(state, "pools", tuple(pools))
+        _set(state, "groups", tuple(groups))
+        _set(state, "seq", self.seq)
+        self.src = state
+        return state
 
 
 def check_state(value: object, what: str = "state") -> KVState:
@@ -367,6 +449,10 @@ def _policies_from_cache_info(info: Any, block_num_by_type: Mapping[str, int]
                               ) -> Iterator[tuple[str, Policy]]:
     for key, cls, block_size, entries in group_cache_entries(info, block_num_by_type,
                                                               policy_class):
-        policy: Policy = cls(num_blocks=block_num_by_type[key], block_size=block_size,
+        n = block_num_by_type[key]
+        if type(n) is not int or not 0 < n <= MAX_NUM_BLOCKS:
+            msg = f"block_num_by_type[{key!r}] must be an int in 1..{MAX_NUM_BLOCKS}, got {n!r}"
+            raise InvalidArgumentError(msg)
+        policy: Policy = cls(num_blocks=n, block_size=block_size,
                              **cls.kwargs_from_entries(entries))
         yield key, policy

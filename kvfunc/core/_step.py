@@ -3,15 +3,23 @@
 Theory of operation
 -------------------
 ``allocate_slots`` is the seed's two-phase allocation made strictly atomic.
-For each selected group, :func:`plan_group` asks the group's policy (the
-arithmetic: what slid out of the window, how many null entries and new
-blocks) and its caching strategy (a prefix hit's blocks, copy-on-write)
-what the request needs, as one :class:`Plan`, changing nothing.  If any
-group cannot serve the request, it is refused as a value and nothing
-changed.  Otherwise :func:`apply_plan` applies each plan through the group's
-primitives (register, share, recycle, take and append, copy), and
-:func:`cache_step` caches what the step completed.  Recycled blocks count as
-free in phase 1, so every accepted call hands out exactly the seed's ids.
+
+1. **Plan.**  For each selected group, :func:`plan_group` reads the
+   request's row and asks the group's policy (``_policy``: what slid out of
+   the window, how many null entries and new blocks) and the caching
+   strategy (a prefix hit's blocks, copy-on-write, the blocks the step
+   completes) what the request needs, as one :class:`Plan`, changing
+   nothing.  A group with nothing to do plans nothing: the common decode
+   step reads one row per group and stops here.
+2. **Room.**  :func:`has_room` sums, per pool, what every group of the pool
+   needs, before anything is taken: a pool shared by several groups must
+   hold all of it at once.  Recycled blocks count as free, so every accepted
+   call hands out exactly the seed's ids.  If any pool lacks room the
+   request is refused as a value and nothing changed.
+3. **Apply.**  :func:`apply_plans` runs the plans through the groups'
+   primitives (recycle, register, share, grow, copy, store: ``_group``),
+   which take and return blocks through the group's pool (``_pool``) and
+   record the delta (``_delta``).
 
 Every entry point folds over this step: ``allocate_slots`` is a fold of
 one, ``allocate_batch`` a fold of a scheduler step (``_fold``), the compat
@@ -24,11 +32,13 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from kvfunc.core._delta import COPY_INTO_NEW
-from kvfunc.core._group import GroupCopy, Transient
-from kvfunc.core._policy import plan_step
+from kvfunc.core._group import GroupCopy
+from kvfunc.core._policy import KEEPS_ALL, blocks_needed, slid_out
+from kvfunc.core._pool import cache_key
 from kvfunc.core._rows import Row, leading_nulls
+from kvfunc.core._state import Transient
 
-__all__ = ["Plan", "apply_plan", "cache_step", "plan_group", "step"]
+__all__ = ["Plan", "apply_plans", "has_room", "plan_group", "step"]
 
 _new = tuple.__new__
 
@@ -37,6 +47,7 @@ class Plan(NamedTuple):
     """What one request's step does in one group (phase 1's answer).
 
     Attributes:
+        group: the group's position in the state.
         row: the request's row, or None when the step registers it.
         hit: a prefix hit's table (shared entries), when admitted with one.
         src: a saved state to copy into the request's new block (0: none).
@@ -44,8 +55,11 @@ class Plan(NamedTuple):
         nulls: null entries to append.
         need: new blocks to take and append.
         cow: positions to copy before writing (their block is shared).
+        extra: blocks the hit takes out of the free queue (free cached ones).
+        store: the step completes blocks to cache (or a state to save).
     """
 
+    group: int
     row: Row | None
     hit: tuple[int, ...] | None
     src: int
@@ -53,129 +67,210 @@ class Plan(NamedTuple):
     nulls: int
     need: int
     cow: tuple[int, ...]
+    extra: int
+    store: bool
 
 
-def plan_group(g: GroupCopy, row: Row | None, computed: int, total: int, reserved: int,
-               hit: Any, hashes: Any) -> Plan | bool | None:
-    """Phase 1 in one group: a :class:`Plan`, None (nothing to do) or False (refused)."""
+def plan_group(tr: Transient, i: int, row: Row | None, computed: int, written: int,
+               total: int, hashes: Any, hit: Any) -> Plan | bool | None:
+    """Phase 1 in group ``i``: a :class:`Plan`, None (nothing to do) or False (refused).
+
+    A prefix hit whose blocks no longer hold its hashes (evicted since the
+    lookup) is refused: the scheduler looks up again.
+    """
+    g = tr.views[i]
+    _, grows, mode, _ = g.traits
     entries, src, extra = None, 0, 0
     if hit is not None and hit.num_tokens:
-        hit_table = hit.block_ids[g.key]
-        fits, extra = hit_fits(g, hit_table, hashes, hit.num_tokens)
-        if not fits:
-            return False  # evicted since the lookup: the scheduler looks up again
-        if g.grows:
-            entries = hit_table
-        else:
-            src = hit_table[0]
+        entries = hit.block_ids[g.key]
+        found = hit_fits(tr, i, entries, hashes, hit.num_tokens)
+        if found is None:
+            return False
+        extra = found
+        if not grows:
+            src, entries = entries[0], None
     if entries is not None:
         held, nulls = len(entries), leading_nulls(entries)
     elif row is not None:
-        held, nulls = row.length, row.nulls
+        nulls = row[1]
+        held = nulls + len(row[0])
     else:
         held = nulls = 0
-    upto, add_nulls, need = plan_step(g.policy, held, nulls, computed, total)
-    cow = cow_positions(g, row, computed, total) if row is not None and g.caching else ()
-    idle = row is not None and upto <= nulls and not add_nulls and not need and not cow
-    if idle and not reserved:
+    upto = slid_out(g.policy, mode, computed, held) if mode != KEEPS_ALL else 0
+    add_nulls, need = blocks_needed(g.policy, grows, held, total)
+    cow: tuple[int, ...] = ()
+    store = False
+    if tr.caching:
+        if row is not None and row[3] and total:
+            cow = cow_positions(tr, i, row, computed, total)
+        if hashes is not None:
+            store = completes(g.traits, held + add_nulls + need, max(row[2], nulls)
+                              if row is not None else nulls, computed, written, hashes)
+    if (row is not None and upto <= nulls and not add_nulls and not need and not cow
+            and not store):
         return None
-    gain = g.reclaimable(row, upto) if row is not None and upto > nulls else 0
-    room = g.count + gain
-    if reserved:  # the reservation applies even to a step that needs nothing (the seed's)
-        room -= g.policy.num_reserved_blocks(reserved, g.num_rows)
-    if need + extra + len(cow) > room:
-        return False
-    return None if idle else _new(Plan, (row, entries, src, upto, add_nulls, need, cow))
+    return _new(Plan, (i, row, entries, src, upto, add_nulls, need, cow, extra, store))
 
 
-def hit_fits(g: Any, entries: tuple[int, ...], hashes: Any, num_tokens: int) -> tuple[bool, int]:
-    """Whether a hit's blocks still hold its hashes, and how many of them are free now."""
-    digests, hash_of, refs = hashes._digests, g.hash_of, g.refs
-    if not g.grows:
-        return hash_of[entries[0]] == digests[num_tokens // hashes.block_size - 1], 0
-    m = g.block_size // hashes.block_size
+def completes(traits: tuple[int, bool, int, int | None], length: int, done: int, computed: int,
+              written: int, hashes: Any) -> bool:
+    """Whether the step leaves a block to cache (or, for a state, a state to save)."""
+    bs, grows = traits[0], traits[1]
+    if grows:
+        upto: int = min(written // bs, length, hashes.num_blocks * hashes.block_size // bs)
+        return upto > done
+    return bool(computed) and not computed % bs and computed <= int(hashes.num_tokens)
+
+
+def hit_fits(tr: Transient, i: int, entries: tuple[int, ...], hashes: Any, num_tokens: int
+             ) -> int | None:
+    """How many of a hit's blocks are free now, or None if one no longer holds its hash."""
+    g = tr.views[i]
+    pool = tr.pools[tr.group_pool[i]]
+    hash_of, refs, tag = pool.hash_of, pool.refs, pool.tag_of(g.key)
+    digests, hbs = hashes._digests, hashes.block_size
+    if not g.traits[1]:  # a saved state: one block, copied, never shared
+        return 0 if hash_of[entries[0]] == cache_key(digests[num_tokens // hbs - 1], tag) else None
+    m = g.traits[0] // hbs
     free = 0
     for p, b in enumerate(entries):
         if b:
-            if hash_of[b] != digests[(p + 1) * m - 1]:
-                return False, 0
+            if hash_of[b] != cache_key(digests[(p + 1) * m - 1], tag):
+                return None
             if not refs[b]:
                 free += 1
-    return True, free
+    return free
 
 
-def cow_positions(g: Any, row: Row, computed: int, total: int) -> tuple[int, ...]:
+def cow_positions(tr: Transient, i: int, row: Row, computed: int, total: int) -> tuple[int, ...]:
     """Positions the step writes whose block someone else holds too (only below ``row.shared``)."""
-    if not total or not row.shared:
-        return ()
-    refs, ids = g.refs, row.ids
-    if g.grows:
-        first = computed // g.block_size
-        last = min(row.length, -(-total // g.block_size), row.shared)
+    g = tr.views[i]
+    bs, grows = g.traits[0], g.traits[1]
+    refs, blocks, nulls = tr.pools[tr.group_pool[i]].refs, row.blocks, row.nulls
+    length = nulls + len(blocks)
+    if grows:
+        first, last = max(computed // bs, nulls), min(length, -(-total // bs), row.shared)
     else:
-        first, last = row.nulls, min(row.length, row.shared)
-    return tuple(p for p in range(first, last) if ids[p] and refs[ids[p]] > 1)
+        first, last = nulls, min(length, row.shared)
+    return tuple(p for p in range(first, last) if refs[blocks[p - nulls]] > 1)
 
 
-def apply_plan(g: GroupCopy, slot: int, request_id: int | str, plan: Plan) -> Row:
-    """Phase 2 in one group: register, share a hit, recycle, take and append, copy."""
-    row = plan.row
-    if row is None:
-        row = g.register(request_id)
-        if plan.hit is not None:
-            row = g.share(request_id, row, plan.hit)  # type: ignore[attr-defined]
-    if plan.upto > row.nulls:
-        row = g.recycle(request_id, row, plan.upto)
-    if plan.need or plan.nulls:
-        row = g.grow(request_id, row, plan.need, plan.nulls)
-    if plan.src:
-        sink = g.sink
-        if sink is not None:  # the saved state seeds the block just appended
-            sink.copied.append((g.key, request_id, COPY_INTO_NEW, plan.src, row.ids[row.nulls]))
-            sink.order.append("C")
-    for position in plan.cow:
-        row = g.copy_on_write(request_id, row, position)  # type: ignore[attr-defined]
-    g.put(slot, row)
-    return row
+def has_room(tr: Transient, plans: list[Plan], reserved: int) -> bool:
+    """Whether every pool holds what the plans take from it, reservations kept (phase 2)."""
+    if len(tr.pools) == 1 and len(plans) == 1 and not reserved:  # one pool, one group
+        p = plans[0]
+        need = p.need + p.extra + len(p.cow)
+        if not need:
+            return True
+        gain = _gain(tr, p) if p.upto > (p.row.nulls if p.row is not None else 0) else 0
+        return need <= tr.free_count(0) + gain
+    want: dict[int, int] = {}
+    for p in plans:
+        j = tr.group_pool[p.group]
+        n = p.need + p.extra + len(p.cow)
+        if p.row is not None and p.upto > p.row.nulls:
+            n -= _gain(tr, p)
+        if reserved:
+            g = tr.views[p.group]
+            n += g.policy.num_reserved_blocks(reserved, len(g.rows))
+        want[j] = want.get(j, 0) + n
+    return all(n <= tr.free_count(j) for j, n in want.items())
 
 
-def cache_step(g: Any, slot: int, request_id: int | str, row: Row, computed: int, written: int,
-               hashes: Any) -> None:
+def _gain(tr: Transient, p: Plan) -> int:
+    """Blocks that the plan's recycling returns to its pool."""
+    row = p.row
+    assert row is not None
+    k = p.upto - row.nulls
+    pool = tr.pools[tr.group_pool[p.group]]
+    if pool.refs is None:
+        return k
+    refs = pool.refs
+    return sum(1 for b in row.blocks[:k] if refs[b] == 1)
+
+
+def apply_plans(tr: Transient, request_id: Any, plans: list[Plan]) -> list[Row]:
+    """Phase 3: the plans' rows after recycling, registering, sharing, growing and copying.
+
+    Every group recycles before any group takes a block, as the seed's
+    phase 1 and vLLM's ``remove_skipped_blocks`` do: in a pool shared by
+    several groups, a block one group recycles is the next another takes.
+    """
+    copies = [tr.copies[p.group] or tr.copy(p.group) for p in plans]
+    rows: list[Any] = [p.row for p in plans]
+    for k, p in enumerate(plans):
+        row = rows[k]
+        if row is not None and p.upto > row.nulls:
+            rows[k] = copies[k].recycle(request_id, row, p.upto)
+    if any(r is None for r in rows):
+        seq, tr.seq = tr.seq, tr.seq + 1
+        for k, p in enumerate(plans):
+            if rows[k] is None:
+                row = rows[k] = copies[k].register(request_id, seq)
+                if p.hit is not None:
+                    rows[k] = copies[k].share(request_id, row, p.hit)
+    for k, p in enumerate(plans):
+        g, row = copies[k], rows[k]
+        if p.need or p.nulls:
+            row = g.grow(request_id, row, p.need, p.nulls)
+        if p.src:
+            sink = g.sink
+            if sink is not None:  # the saved state seeds the block just appended
+                sink.copied.append((g.key, request_id, COPY_INTO_NEW, p.src, row.blocks[0]))
+                sink.order.append("C")
+        for position in p.cow:
+            row = g.copy_on_write(request_id, row, position)
+        rows[k] = row
+    return rows
+
+
+def cache_step(g: GroupCopy, request_id: Any, row: Row, computed: int, written: int,
+               hashes: Any) -> Row:
     """Cache what the step completed: full blocks, or a state saved at a block boundary."""
     bs = g.block_size
     if g.grows:
         upto = min(written // bs, row.length, hashes.num_blocks * hashes.block_size // bs)
         if upto > row.stored and upto > row.nulls:
-            g.put(slot, g.store(request_id, row, upto, hashes))
-    elif computed and not computed % bs and computed <= hashes.num_tokens and g.count:
+            return g.store(request_id, row, upto, hashes)
+    elif g.pool.count:
         g.save_state(request_id, row, computed // hashes.block_size - 1, hashes)
+    return row
 
 
-def step(tr: Transient, request_id: int | str, computed: int, written: int, total: int,
+def step(tr: Transient, request_id: Any, computed: int, written: int, total: int,
          reserved: int, keys: frozenset[str] | None, hashes: Any, hit: Any) -> bool:
     """One request's two-phase step on ``tr``; False (``tr`` untouched) when refused.
 
     Counts are clamped to ``max_model_len`` and checked by the caller.
     """
-    slot = tr.slots.slot_of(request_id)
-    plans: list[tuple[GroupCopy, Plan | None, Row | None]] = []
-    copies = tr.copies
-    for i in range(len(copies)):
-        g = copies[i] or tr.copy(i)
-        if keys is not None and g.key not in keys:
+    plans: list[Plan] = []
+    views = tr.views
+    for i in range(len(views)):
+        view = views[i]
+        if keys is not None and view.key not in keys:
             continue
-        rows = g.rows
-        row = rows[slot] if slot < len(rows) else None
-        plan = plan_group(g, row, computed, total, reserved, hit, hashes)
+        row = view.rows.get(request_id)
+        plan = plan_group(tr, i, row, computed, written, total, hashes, hit)
         if plan is False:
             return False
-        if plan is not None or (hashes is not None and row is not None):
-            plans.append((g, plan, row))  # type: ignore[arg-type]
-    for g, plan, row in plans:
         if plan is not None:
-            row = apply_plan(g, slot, request_id, plan)
-        if hashes is not None and row is not None:
-            cache_step(g, slot, request_id, row, computed, written, hashes)
+            plans.append(plan)  # type: ignore[arg-type]
+        elif reserved and row is not None:  # the reservation applies to an idle step too
+            plans.append(_new(Plan, (i, row, None, 0, 0, 0, 0, (), 0, False)))
+    if not plans:
+        return True
+    if not has_room(tr, plans, reserved):
+        return False
+    if reserved:  # idle plans were there for their reservation only
+        plans = [p for p in plans if p.row is None or p.upto > p.row.nulls or p.nulls
+                 or p.need or p.cow or p.store]
+    rows = apply_plans(tr, request_id, plans)
+    for p, row in zip(plans, rows, strict=True):
+        g = tr.copies[p.group]
+        assert g is not None
+        if p.store:
+            row = cache_step(g, request_id, row, computed, written, hashes)
+        g.put(request_id, row)
     if hit is not None and tr.sink is not None:
         tr.sink.hit.append((request_id, hit.num_tokens, hit.query_tokens))
         tr.sink.order.append("H")

@@ -18,9 +18,17 @@ from kvfunc.core._checks import check_count, check_manager_keys, check_request_i
 from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidTypeError
 from kvfunc.core._fold import check_lookahead, fold, slot_entry
-from kvfunc.core._group import Transient
+from kvfunc.core._policy import slid_out
 from kvfunc.core._rows import row_table
-from kvfunc.core._state import BlockId, KVState, RequestId, check_state, find_group, usage_string
+from kvfunc.core._state import (
+    BlockId,
+    KVState,
+    RequestId,
+    Transient,
+    check_state,
+    find_group,
+    usage_string,
+)
 
 if TYPE_CHECKING:
     from kvfunc.core._hashing import BlockHashes
@@ -131,20 +139,15 @@ def allocate_batch(state: KVState, requests: Iterable[Any], *, lookahead_tokens:
 def free_into(tr: Transient, request_id: RequestId, keys: frozenset[str] | None) -> None:
     """Release ``request_id`` in the selected groups of ``tr``; unknown ids are a no-op.
 
-    Without prefix caching the blocks return to the tail in logical order
-    (the seed's); with it, last block first, so that a prefix's tail is
+    Without reference counts the blocks return to the tail in logical order
+    (the seed's); with them, last block first, so that a prefix's tail is
     evicted before its head.
     """
-    slot = tr.slots.get(request_id)
-    if slot is None:
-        return
     for i, view in enumerate(tr.views):
         if keys is not None and view.key not in keys:
             continue
-        rows = view.rows
-        if slot < len(rows) and rows[slot] is not None:
-            g = tr.copy(i)
-            g.release_row(g.drop(slot, request_id))
+        if view.rows.get(request_id) is not None:
+            tr.copy(i).release(request_id)
 
 
 def free_request(state: KVState, request_id: RequestId, *,
@@ -178,23 +181,16 @@ def free_request(state: KVState, request_id: RequestId, *,
 def recycle_into(tr: Transient, request_id: RequestId, computed: int,
                  keys: frozenset[str] | None) -> None:
     """Recycle whatever slid out of ``request_id``'s windows in the selected groups."""
-    slot = tr.slots.get(request_id)
-    if slot is None:
-        return
     for i, view in enumerate(tr.views):
-        policy = view.policy
         if keys is not None and view.key not in keys:
             continue
-        if policy.window is None and not policy.may_skip:
-            continue
-        rows = view.rows
-        row = rows[slot] if slot < len(rows) else None
+        row = view.rows.get(request_id)
         if row is None:
             continue
-        upto = min(policy.num_skipped_tokens(computed) // policy.block_size, row.length)
+        upto = slid_out(view.policy, view.traits[2], computed, row.length)
         if upto > row.nulls:
             g = tr.copy(i)
-            g.put(slot, g.recycle(request_id, row, upto))
+            g.put(request_id, g.recycle(request_id, row, upto))
 
 
 def recycle_skipped_blocks(state: KVState, request_id: RequestId, computed_tokens: int, *,
@@ -234,23 +230,22 @@ def get_block_ids(state: KVState, request_id: RequestId) -> dict[str, tuple[Bloc
     """
     check_state(state)
     check_request_id(request_id)
-    slot = state.groups[0].slots.get(request_id) if state.groups else None
     out = {}
     for g in state.groups:
-        row = g.rows[slot] if slot is not None and slot < len(g.rows) else None
+        row = g.rows.get(request_id)
         out[g.key] = () if row is None else row_table(row)
     return out
 
 
 def num_free_blocks(state: KVState, manager_key: str) -> int:
-    """Free blocks of a group (the null block never counts).
+    """Free blocks of the pool a group draws from (the null block never counts).
 
     >>> from kvfunc.core import FullAttention, KVState
     >>> num_free_blocks(KVState.create({"f": FullAttention(num_blocks=5, block_size=4)}, 8), "f")
     4
     """
     check_state(state)
-    return find_group(state.groups, manager_key).num_free
+    return state.pools[find_group(state.groups, manager_key).pool].num_free
 
 
 def format_usage(state: KVState) -> str:
@@ -262,4 +257,6 @@ def format_usage(state: KVState) -> str:
     'FullAttention:1/12'
     """
     check_state(state)
-    return usage_string((g.key, g.policy.num_blocks, g.num_free) for g in state.groups)
+    pools = state.pools
+    return usage_string((g.key, pools[g.pool].num_blocks, pools[g.pool].num_free)
+                        for g in state.groups)

@@ -5,7 +5,7 @@ Theory of operation
 A router that routes requests to the engine holding their prefix needs each
 engine's cached blocks, without access to the engine's state.  A
 :class:`CachedBlocksView` is that knowledge as a value: per group, the same
-``{hash: block ids}`` index as ``state.group(key).cache.cached()``, block ids
+``{hash: block ids}`` index as ``state.pool_of(key).cached(key)``, block ids
 ascending.  :meth:`CachedBlocksView.apply` returns the
 view after a batch of events::
 
@@ -116,7 +116,7 @@ class CachedBlocksView:
             raise InvalidTypeError(f"state must be a KVState, got {type(state).__name__}")
         groups = {}
         for g in state.groups:
-            cached = {} if g.cache is None else g.cache.cached()
+            cached = state.pools[g.pool].cached(g.key)
             if cached:
                 groups[g.key] = pmap(cached)
         return cls(pmap(groups))
@@ -148,7 +148,7 @@ class CachedBlocksView:
         return CachedBlocksView(pmap(groups))
 
     def cached(self, group: str) -> dict[bytes, tuple[int, ...]]:
-        """``{hash: block ids}`` of ``group``, as ``state.group(group).cache.cached()``."""
+        """``{hash: block ids}`` of ``group``, as ``state.pool_of(group).cached(group)``."""
         return dict(self.groups.get(group, pmap()))
 
     def num_cached_blocks(self, group: str) -> int:

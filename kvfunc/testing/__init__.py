@@ -6,7 +6,8 @@ Three pieces, usable from kvfunc's own tests and from an integrator's:
   allocator, written straight from the spec (refusals made atomic, as kvfunc
   makes them);
 * Hypothesis strategies: :func:`policies`, :func:`group_configs`,
-  :func:`kv_states`, :func:`slot_requests`, :func:`programs` (tuples of
+  :func:`kv_states` (either layout: :func:`layouts`,
+  :func:`shared_sizes`), :func:`slot_requests`, :func:`programs` (tuples of
   :class:`Allocate`, :class:`Batch`, :class:`Free`, :class:`Recycle`);
 * :class:`KVStateMachine`: a ``RuleBasedStateMachine`` that drives the pure
   core and the model side by side; run it with ``KVStateMachine.TestCase``
@@ -63,6 +64,7 @@ from kvfunc.testing._strategies import (
     apply_operation,
     group_configs,
     kv_states,
+    layouts,
     make_slot_request,
     manager_key_selections,
     max_model_lens,
@@ -70,6 +72,7 @@ from kvfunc.testing._strategies import (
     programs,
     request_fields,
     run_program,
+    shared_sizes,
     slot_requests,
 )
 
@@ -86,6 +89,7 @@ __all__ = [
     "apply_to_model",
     "group_configs",
     "kv_states",
+    "layouts",
     "make_slot_request",
     "manager_key_selections",
     "max_model_lens",
@@ -94,6 +98,7 @@ __all__ = [
     "request_fields",
     "run_program",
     "run_state_machine",
+    "shared_sizes",
     "slot_requests",
     "state_snapshot",
     "token_budget",

@@ -44,10 +44,12 @@ from kvfunc import BlocksChanged, KVState, Policy, RequestId, SlotRequest
 from kvfunc.testing._model import NaiveAllocator
 from kvfunc.testing._strategies import (
     group_configs,
+    layouts,
     make_slot_request,
     manager_key_selections,
     max_model_lens,
     request_fields,
+    shared_sizes,
 )
 
 __all__ = [
@@ -71,14 +73,26 @@ def state_snapshot(state: KVState) -> Snapshot:
     >>> s = kf.KVState.create({"f": kf.FullAttention(num_blocks=4, block_size=4)}, 64)
     >>> snap = state_snapshot(s)
     >>> _ = kf.allocate_slots(s, "a", 0, 9)
-    >>> state_snapshot(s) == snap, snap[1][0][3]
+    >>> state_snapshot(s) == snap, snap[2][0][3]
     (True, (1, 2, 3))
     """
-    groups = tuple((g.key, g.policy, tuple(g.tables.items()), g.free_block_ids(),
-                    tuple(g.free_ring), g.free_head, g.num_free, g.num_detached,
-                    tuple(None if r is None else r[1:] for r in g.rows))
+    groups = tuple((g.key, g.policy, g.pool, tuple(g.tables.items()),
+                    tuple((rid, row[1:4]) for rid, row in sorted(g.rows.items(),
+                                                                 key=lambda kv: kv[1].seq)))
                    for g in state.groups)
-    return state.max_model_len, groups, kf.format_usage(state)
+    pools = tuple((p.name, p.members, p.num_blocks, p.free_block_ids(), p.num_free,
+                   _queue_cells(p.queue), None if p.refs is None else tuple(p.refs),
+                   None if p.hash_of is None else tuple(p.hash_of),
+                   tuple(sorted(p.detached.items())))
+                  for p in state.pools)
+    return state.max_model_len, groups, pools, kf.format_usage(state)
+
+
+def _queue_cells(queue: Any) -> tuple[Any, ...]:
+    """Every cell of a free queue's value, so that a mutation of any of them shows."""
+    if hasattr(queue, "chunks"):
+        return tuple(queue.chunks), queue.head, queue.count
+    return tuple(queue.prev), tuple(queue.next), queue.count
 
 
 def token_budget(state: KVState, max_tokens: int = 96) -> int:
@@ -118,8 +132,9 @@ def _outcome(call: Callable[[], Any]) -> tuple[Any, ValueError | None]:
 class KVStateMachine(RuleBasedStateMachine):
     """Runs :mod:`kvfunc`'s pure core and :class:`NaiveAllocator` side by side.
 
-    Class attributes are the knobs a subclass sets: ``groups_strategy`` and
-    ``max_model_len_strategy`` (the configurations to explore),
+    Class attributes are the knobs a subclass sets: ``groups_strategy``,
+    ``max_model_len_strategy`` and ``layout_strategy`` (the configurations to
+    explore: ``(layout, free_order)`` pairs),
     ``max_tokens`` (token counts per request), ``replay_every`` (how often
     the whole delta log is replayed; always at teardown),
     and ``check_batches_sequentially`` (each batch also equals
@@ -128,6 +143,7 @@ class KVStateMachine(RuleBasedStateMachine):
 
     groups_strategy: ClassVar[st.SearchStrategy[Mapping[str, Policy]]] = group_configs()
     max_model_len_strategy: ClassVar[st.SearchStrategy[int]] = max_model_lens()
+    layout_strategy: ClassVar[st.SearchStrategy[tuple[str, str]]] = layouts()
     max_tokens: ClassVar[int] = 96
     replay_every: ClassVar[int] = 8
     check_batches_sequentially: ClassVar[bool] = True
@@ -171,7 +187,7 @@ class KVStateMachine(RuleBasedStateMachine):
         # the interesting cases happen (a strategy change can silently lose them).
         if len(delta.nulled_positions) > 1:
             event("recycled several blocks at once")
-        if any(g.num_free == 0 and g.policy.num_blocks > 1 for g in after.groups):
+        if any(p.num_free == 0 and p.num_blocks > 1 for p in after.pools):
             event("a pool ran dry")
         self.after_transition(before, after, delta)
 
@@ -210,10 +226,12 @@ class KVStateMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def init_state(self, data: st.DataObject) -> None:
         """Draw the groups and ``max_model_len``; build the core state and the model."""
-        groups = data.draw(self.groups_strategy, label="groups")
+        layout, order = data.draw(self.layout_strategy, label="layout")
+        groups = shared_sizes(data.draw(self.groups_strategy, label="groups"), layout)
         max_model_len = data.draw(self.max_model_len_strategy, label="max_model_len")
-        self.initial = self.state = KVState.create(groups, max_model_len)
-        self.model = NaiveAllocator(groups, max_model_len)
+        self.initial = self.state = KVState.create(groups, max_model_len, layout=layout,
+                                                   free_order=order)
+        self.model = NaiveAllocator(groups, max_model_len, layout=layout, free_order=order)
         self.snapshot = state_snapshot(self.state)
         self.token_budget = token_budget(self.state, self.max_tokens)
 
@@ -330,7 +348,7 @@ class KVStateMachine(RuleBasedStateMachine):
         """Free counts, free-queue order (FIFO, tail re-entry) and usage strings agree."""
         for key in self.state.manager_keys:
             assert self.model.num_free_blocks(key) == kf.num_free_blocks(self.state, key)
-            assert self.model.free_block_ids(key) == self.state.group(key).free_block_ids()
+            assert self.model.free_block_ids(key) == self.state.pool_of(key).free_block_ids()
         assert self.model.format_usage() == kf.format_usage(self.state)
 
     @invariant()

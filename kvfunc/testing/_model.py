@@ -10,7 +10,13 @@ logical order), and ``allocate_slots`` following the seed's two-phase
 pseudocode line by line.
 
 It differs from the seed in exactly one place, kvfunc's deliberate
-deviation: a refused (or failing) ``allocate_slots`` changes nothing.  The
+deviation: a refused (or failing) ``allocate_slots`` changes nothing.
+
+Two options model what kvfunc adds: ``layout="shared"`` makes every manager
+draw from one free deque (vLLM's hybrid layout: phase 1 sums the managers'
+needs against it), and ``free_order="vllm"`` returns freed blocks to the
+front of the deque (vLLM's last in, first out reuse: a request's blocks
+last block first, recycled blocks highest index first).  The
 seed recycles sliding-window blocks of the managers it visited before it
 refuses; the model runs the seed's code on the live managers and, when the
 call is refused or raises, puts back a deep copy taken before.  That is slow
@@ -42,10 +48,20 @@ def _ceil(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-class _Manager:
-    """One single-type manager and its own block pool (spec §2 and §3)."""
+class _Pool:
+    """A free deque (spec §2): FIFO, or vLLM's front re-entry."""
 
-    def __init__(self, key: str, policy: Any) -> None:
+    def __init__(self, num_blocks: int, lifo: bool) -> None:
+        self.num_blocks = num_blocks
+        self.lifo = lifo
+        self.free_queue: deque[int] = deque(range(num_blocks))
+        self.free_queue.popleft()  # block 0 becomes the null block
+
+
+class _Manager:
+    """One single-type manager drawing from a block pool (spec §2 and §3)."""
+
+    def __init__(self, key: str, policy: Any, pool: _Pool) -> None:
         if isinstance(policy, FullAttention):
             self.kind = "FullAttention"
         elif isinstance(policy, SlidingWindow):
@@ -60,9 +76,12 @@ class _Manager:
         self.key = key
         self.num_blocks: int = policy.num_blocks
         self.block_size: int = policy.block_size
-        self.free_queue: deque[int] = deque(range(self.num_blocks))
-        self.free_queue.popleft()  # block 0 becomes the null block
+        self.pool = pool
         self.req_to_blocks: dict[Any, list[int]] = {}
+
+    @property
+    def free_queue(self) -> deque[int]:
+        return self.pool.free_queue
 
     # -- the block pool (spec §2) --------------------------------------------
     def get_new_blocks(self, n: int) -> list[int]:
@@ -82,7 +101,11 @@ class _Manager:
                 continue
             if block_id in self.free_queue:
                 raise ValueError(f"block_id {block_id} is already free")
-            self.free_queue.append(block_id)
+        real = [b for b in ids if b != NULL]
+        if self.pool.lifo:  # vLLM: the run goes to the front, its first block first
+            self.free_queue.extendleft(reversed(real))
+        else:
+            self.free_queue.extend(real)
 
     # -- the single-type manager (spec §3) ------------------------------------
     def num_skipped_tokens(self, computed: int) -> int:
@@ -147,8 +170,8 @@ class _Manager:
 
     def free(self, rid: Any) -> None:
         blocks = self.req_to_blocks.pop(rid, [])
-        if blocks:
-            self.free_blocks(blocks)
+        if blocks:  # vLLM frees a request's blocks last block first
+            self.free_blocks(blocks[::-1] if self.pool.lifo else blocks)
 
 
 class NaiveAllocator:
@@ -161,6 +184,8 @@ class NaiveAllocator:
         groups: ``{manager_key: policy}`` in manager order (FullAttention,
             SlidingWindow or Mamba records).
         max_model_len: token counts are clamped to it.
+        layout: ``"per-type"`` (a pool per manager) or ``"shared"`` (one pool).
+        free_order: ``"seed"`` (FIFO) or ``"vllm"`` (freed blocks reused first).
 
     >>> import kvfunc as kf
     >>> m = NaiveAllocator({"full": kf.FullAttention(num_blocks=4, block_size=16)}, 1024)
@@ -170,9 +195,17 @@ class NaiveAllocator:
     (False, 'full:4/4')
     """
 
-    def __init__(self, groups: Mapping[str, Any], max_model_len: int) -> None:
+    def __init__(self, groups: Mapping[str, Any], max_model_len: int, *,
+                 layout: str = "per-type", free_order: str = "seed") -> None:
         self.max_model_len = max_model_len
-        self._managers = [_Manager(key, policy) for key, policy in groups.items()]
+        lifo = free_order == "vllm"
+        if layout == "shared":
+            sizes = {p.num_blocks for p in groups.values()}
+            assert len(sizes) <= 1, "a shared pool has one size"
+            shared = _Pool(sizes.pop() if sizes else 1, lifo)
+            self._managers = [_Manager(k, p, shared) for k, p in groups.items()]
+        else:
+            self._managers = [_Manager(k, p, _Pool(p.num_blocks, lifo)) for k, p in groups.items()]
 
     @property
     def manager_keys(self) -> tuple[str, ...]:
@@ -218,10 +251,17 @@ class NaiveAllocator:
         needs = []
         for m in selected:  # phase 1
             m.remove_skipped_blocks(rid, c)
+        wanted: dict[int, int] = {}
+        for m in selected:
             need, ok = m.pre_allocate_blocks(rid, t, reserved)
             if not ok:
                 return False
             needs.append(need)
+            reserve = (_ceil(reserved, m.block_size) * len(m.req_to_blocks)
+                       if m.kind == "FullAttention" else 0)
+            wanted[id(m.pool)] = wanted.get(id(m.pool), 0) + need + reserve
+        if any(n > len(m.free_queue) for m in selected for n in (wanted[id(m.pool)],)):
+            return False  # a shared pool must hold every manager's need at once
         for m, need in zip(selected, needs, strict=True):  # phase 2
             m.allocate_new_blocks(rid, need, t)
         return True

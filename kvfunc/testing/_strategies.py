@@ -19,6 +19,7 @@ import functools
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
+import attrs
 from hypothesis import strategies as st
 
 from kvfunc import (
@@ -158,10 +159,35 @@ def max_model_lens() -> st.SearchStrategy[int]:
     return st.one_of(st.just(4096), st.integers(16, 200), st.integers(0, 200))
 
 
+def layouts() -> st.SearchStrategy[tuple[str, str]]:
+    """``(layout, free_order)`` pairs: a pool per type or one shared pool; FIFO or vLLM reuse.
+
+    >>> from hypothesis import find
+    >>> find(layouts(), lambda lf: lf[0] == "shared")
+    ('shared', 'seed')
+    """
+    return st.tuples(st.sampled_from(["per-type", "shared"]), st.sampled_from(["seed", "vllm"]))
+
+
+def shared_sizes(groups: Mapping[str, Policy], layout: str) -> dict[str, Policy]:
+    """``groups`` with one ``num_blocks`` (the largest) when they share a pool.
+
+    >>> from kvfunc import FullAttention
+    >>> g = shared_sizes({"a": FullAttention(2, 4), "b": FullAttention(5, 4)}, "shared")
+    >>> [p.num_blocks for p in g.values()]
+    [5, 5]
+    """
+    if layout != "shared" or not groups:
+        return dict(groups)
+    n = max(p.num_blocks for p in groups.values())
+    return {k: attrs.evolve(p, num_blocks=n) for k, p in groups.items()}  # type: ignore[misc]
+
+
 def kv_states(groups: st.SearchStrategy[Mapping[str, Policy]] | None = None,
-              max_model_len: st.SearchStrategy[int] | None = None
+              max_model_len: st.SearchStrategy[int] | None = None,
+              layout: st.SearchStrategy[tuple[str, str]] | None = None
               ) -> st.SearchStrategy[KVState]:
-    """A fresh :class:`kvfunc.KVState` of :func:`group_configs`.
+    """A fresh :class:`kvfunc.KVState` of :func:`group_configs`, in either layout.
 
     >>> from hypothesis import given, settings
     >>> @settings(max_examples=20)
@@ -170,8 +196,12 @@ def kv_states(groups: st.SearchStrategy[Mapping[str, Policy]] | None = None,
     ...     assert 1 <= len(state.manager_keys) <= 3 and state.request_ids() == ()
     >>> test_fresh()
     """
-    return st.builds(KVState.create, groups if groups is not None else group_configs(),
-                     max_model_len if max_model_len is not None else max_model_lens())
+    def build(g: Mapping[str, Policy], n: int, lf: tuple[str, str]) -> KVState:
+        return KVState.create(shared_sizes(g, lf[0]), n, layout=lf[0], free_order=lf[1])
+
+    return st.builds(build, groups if groups is not None else group_configs(),
+                     max_model_len if max_model_len is not None else max_model_lens(),
+                     layout if layout is not None else layouts())
 
 
 def manager_key_selections(manager_keys: Sequence[str] = MANAGER_KEYS

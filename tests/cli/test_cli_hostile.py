@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvfunc import DELTA_VERSION
+from kvfunc.cli._log import LOG_VERSION
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_run import run_main  # the helper beside this file
@@ -168,7 +169,7 @@ def test_endless_files_are_refused_within_a_memory_limit(argv: list[str]) -> Non
     assert_one_line_exit_2(proc.returncode, proc.stderr, needle)
 
 
-HUGE_HEADER = json.dumps({"kvfunc_delta_log": 1, "delta_version": DELTA_VERSION,
+HUGE_HEADER = json.dumps({"kvfunc_delta_log": LOG_VERSION, "delta_version": DELTA_VERSION,
                           "max_model_len": 64, "groups": [
                               {"key": "f", "policy": "FullAttention",
                                "params": {"num_blocks": 2**40, "block_size": 16}}]})

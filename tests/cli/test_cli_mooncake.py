@@ -207,7 +207,7 @@ def test_every_step_keeps_the_invariants_with_caching(monkeypatch: pytest.Monkey
     result = mooncake_run(60, 8 * GIB)
     final, c = result.final_state, result.counters  # type: ignore[attr-defined]
     check_invariants(final)
-    assert [g.policy.num_blocks - 1 for g in final.groups] == [g.num_free for g in final.groups]
+    assert [p.num_blocks - 1 for p in final.pools] == [p.num_free for p in final.pools]
     steps = result.steps  # type: ignore[attr-defined]
     assert (True, True) == (c["preemptions"] > 0, set(range(1, steps + 1)) <= set(checked))
 

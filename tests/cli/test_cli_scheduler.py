@@ -88,7 +88,7 @@ def test_two_requests_prefill_then_decode() -> None:
     first = states[1]
     assert ((1, 2, 3), (4, 5), 3, 5, 39) == (
         first.group("full").tables[0], first.group("full").tables[1], sched.steps,
-        sched.generated_tokens, states[-1].group("full").num_free)
+        sched.generated_tokens, states[-1].pool_of("full").num_free)
 
 
 def test_admission_is_fifo_and_waits_for_memory() -> None:

@@ -38,8 +38,8 @@ def padded_rows(state: kf.KVState, key: str, request_ids: tuple[kf.RequestId, ..
 
 def paged_only(state: kf.KVState) -> kf.KVState:
     """The state without its Mamba groups (whose seed tables raise for short requests)."""
-    return kf.KVState(state.max_model_len, tuple(g for g in state.groups
-                                                 if g.policy.attn_type != "Mamba"))
+    return kf.KVState(state.max_model_len, state.pools, tuple(g for g in state.groups
+                                                              if g.policy.attn_type != "Mamba"))
 
 
 def registered(state: kf.KVState) -> set[kf.RequestId]:

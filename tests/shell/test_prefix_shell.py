@@ -154,7 +154,7 @@ def check_buffer(buf: BlockTableBuffer, state: kf.KVState) -> None:
         held = state.group(spec.key).tables
         assert tables[spec.key] == [list(held.get(r, ())) + [0] * (spec.width - len(
             held.get(r, ()))) for r in order]
-    paged = kf.KVState(state.max_model_len, tuple(g for g in state.groups
+    paged = kf.KVState(state.max_model_len, state.pools, tuple(g for g in state.groups
                                                    if g.policy.attn_type != "Mamba"))
     rebuilt = build_block_tables(paged, list(order), {s.key: s.width for s in buf.specs})
     assert {k: t.tolist() for k, t in rebuilt.items()} == {k: tables[k] for k in rebuilt}
