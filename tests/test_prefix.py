@@ -175,26 +175,38 @@ def test_stale_hit_is_refused_and_changes_nothing() -> None:
 
 
 def test_sliding_window_hybrid_hits_repeated_prompts() -> None:
-    """On full + sliding-window groups a repeated prompt hits; the window keeps only its blocks."""
+    """On full + sliding-window groups a repeated prompt hits; the hit holds only the
+    window's blocks: a prefill with caching computes (and caches) every block, and those
+    before the window leave at the next step."""
     s = _state(full=kf.FullAttention(num_blocks=20, block_size=4),
                swa=kf.SlidingWindow(num_blocks=20, block_size=4, sliding_window=8))
     toks = list(range(30))
-    s = _admit(s, "a", toks).state
+    r = _admit(s, "a", toks)
+    assert kf.get_block_ids(r.state, "a")["swa"] == (1, 2, 3, 4, 5, 6, 7, 8)
+    s = kf.allocate_slots(r.state, "a", 30, 1, block_hashes=kf.BlockHashes.of(toks, 4)).state
+    assert kf.get_block_ids(s, "a")["swa"] == (0, 0, 0, 0, 0, 6, 7, 8)  # 1..5 slid out
     s, _ = kf.free_request(s, "a")
     r = _admit(s, "b", toks)
     assert r.delta.hit_tokens == (28,)
-    assert kf.get_block_ids(r.state, "b")["swa"][:7] == (0, 0, 0, 0, 0, 1, 2)
+    assert kf.get_block_ids(r.state, "b")["swa"][:7] == (0, 0, 0, 0, 0, 6, 7)
 
 
 def test_sliding_window_needs_only_its_window_cached() -> None:
-    """Blocks that slid out of the window may be evicted: the hit stays valid."""
+    """Blocks that slid out of the window long ago are evicted first: the hit, which needs
+    only the window's blocks, stays valid."""
     s = _state(full=kf.FullAttention(num_blocks=20, block_size=4),
-               swa=kf.SlidingWindow(num_blocks=6, block_size=4, sliding_window=4))
+               swa=kf.SlidingWindow(num_blocks=8, block_size=4, sliding_window=4))
     toks = list(range(24))
-    s = _admit(s, "a", toks).state
+    h = kf.BlockHashes.of(toks, 4)
+    s = kf.allocate_slots(s, "a", 0, 8, block_hashes=h).state            # swa blocks 1, 2
+    for computed in (8, 12, 16, 20):  # each step slides one block out, to the queue's end
+        s = kf.allocate_slots(s, "a", computed, 4, block_hashes=h).state
+    assert kf.get_block_ids(s, "a")["swa"] == (0, 0, 0, 0, 5, 6)
     s, _ = kf.free_request(s, "a")
-    hit = kf.lookup_prefix(s, kf.BlockHashes.of(toks, 4), max_tokens=23)
-    assert hit.num_tokens == 20 and hit.block_ids["swa"] == (0, 0, 0, 0, 1)
+    assert s.pool_of("swa").free_block_ids() == (7, 1, 2, 3, 4, 6, 5)
+    s = kf.allocate_slots(s, "x", 0, 20).state                           # evicts 1..4
+    hit = kf.lookup_prefix(s, h, max_tokens=23)
+    assert hit.num_tokens == 20 and hit.block_ids["swa"] == (0, 0, 0, 0, 5)
 
 
 def test_mamba_state_is_saved_at_a_boundary_and_copied_on_hit() -> None:

@@ -53,7 +53,7 @@ import attrs
 
 from kvfunc.core._checks import excerpt
 from kvfunc.core._errors import ReplayMismatchError
-from kvfunc.core._ops import COLUMNS, FAMILIES, RECORDS, Operation
+from kvfunc.core._ops import COLUMNS, RECORDS, Operation
 
 __all__ = [
     "COLUMN_NAMES", "COPY_INTO_NEW", "COPY_SAVED", "DELTA_VERSION", "EMPTY_DELTA", "FIELDS",
@@ -125,7 +125,7 @@ class BlocksChanged:
     version: int
     order: str
     _columns: tuple[tuple[Any, ...], ...] | None
-    _rows: dict[str, list[tuple[Any, ...]]] | None  # a builder's rows, trusted
+    _rows: list[tuple[Any, ...]] | None  # a builder's rows in ``order``, trusted
 
     registered_keys: _Column[tuple[str, ...]] = _Column()
     registered_request_ids: _Column[tuple[int | str, ...]] = _Column()
@@ -176,7 +176,7 @@ class BlocksChanged:
         _set(self, "_rows", None)
 
     @classmethod
-    def _of(cls, order: str, rows: dict[str, list[tuple[Any, ...]]]) -> BlocksChanged:
+    def _of(cls, order: str, rows: list[tuple[Any, ...]]) -> BlocksChanged:
         """A delta of this version from a builder's rows (columns are built when first read)."""
         d = object.__new__(cls)
         _set(d, "version", DELTA_VERSION)
@@ -189,10 +189,12 @@ class BlocksChanged:
         """Every column, in :data:`COLUMN_NAMES` order."""
         cols = self._columns
         if cols is None:
+            families: dict[str, list[tuple[Any, ...]]] = {}
+            for code, row in zip(self.order, self._rows or (), strict=True):
+                families.setdefault(code, []).append(row)
             out: list[tuple[Any, ...]] = []
-            rows = self._rows or {}
             for code in COLUMNS:
-                family = rows.get(code)
+                family = families.get(code)
                 out.extend(zip(*family, strict=True) if family else _NONE[code])
             cols = tuple(out)
             _set(self, "_columns", cols)
@@ -237,19 +239,17 @@ class BlocksChanged:
                 of different lengths, an ``order`` that does not name every row
                 exactly once).
         """
-        rows = self._rows if self._rows is not None else family_rows(self)
-        cursor = dict.fromkeys(rows, 0)
         new = tuple.__new__
+        if self._rows is not None:
+            for code, row in zip(self.order, self._rows, strict=True):
+                yield new(RECORDS[code], row)
+            return
+        rows = family_rows(self)
+        cursor = dict.fromkeys(rows, 0)
         for code in self.order:
             i = cursor[code]
             cursor[code] = i + 1
             yield new(RECORDS[code], rows[code][i])
-
-    def rows(self, code: str) -> list[tuple[Any, ...]]:
-        """The rows of one family (its code, see the module docstring), in order."""
-        if self._rows is not None:
-            return self._rows.get(code, [])
-        return family_rows(self)[code]
 
     def new_block_ids(self, key: str) -> tuple[int, ...]:
         """Blocks taken from ``key``'s free queue for table entries, in order (for zeroing).
@@ -314,35 +314,25 @@ def family_rows(d: BlocksChanged) -> dict[str, list[tuple[Any, ...]]]:
 
 
 class DeltaBuilder:
-    """Collects one transition's rows (in order), then freezes them into one delta.
+    """Collects one transition's rows in order, then freezes them into one delta.
 
-    A primitive appends its rows to the family's list (``sink.appended``...)
-    and their codes to ``order``; a family's list is made on first use.
+    A primitive appends its code letters to ``codes`` (a run of one family
+    as one string: ``"F" * 3``) and its rows to ``rows``, in the order it
+    acts; :meth:`build` joins the codes into the delta's ``order``.
     """
 
-    __slots__ = ("appended", "cleared", "copied", "evicted", "freed", "hit", "made", "nulled",
-                 "order", "registered", "released", "shared", "stored")
+    __slots__ = ("codes", "rows")
 
     def __init__(self) -> None:
-        self.order: list[str] = []
-        self.made: set[str] = set()  # the families a primitive wrote to
-
-    def __getattr__(self, family: str) -> list[tuple[Any, ...]]:
-        if family not in _FAMILY_NAMES:
-            raise AttributeError(family)
-        rows: list[tuple[Any, ...]] = []
-        object.__setattr__(self, family, rows)
-        self.made.add(family)
-        return rows
+        self.codes: list[str] = []
+        self.rows: list[tuple[Any, ...]] = []
 
     def build(self) -> BlocksChanged:
         """Freeze the collected rows into one record (its columns are built when read)."""
-        if not self.order:
+        if not self.codes:
             return EMPTY_DELTA
-        rows = {_CODE[prefix]: getattr(self, prefix) for prefix in self.made}
-        return BlocksChanged._of("".join(self.order), rows)
+        return BlocksChanged._of("".join(self.codes), self.rows)
 
 
-_FAMILY_NAMES = frozenset(prefix for _, prefix, _ in FAMILIES)
-_CODE = {prefix: code for code, prefix, _ in FAMILIES}
+
 _NONE = {code: (_EMPTY,) * len(names) for code, names in COLUMNS.items()}

@@ -13,8 +13,15 @@ the hashes of entries that carry none.
 of every form, the mapping's hashes included, the same way whatever the
 form, then the one step (``_step``) runs on it.  The result is by
 definition that of calling ``allocate_slots`` for each entry in order.
-There is no second path: the step itself stops after reading one row per
-group when the entry has nothing to do, which is most of a decode step.
+
+Most entries of a decode step have nothing to do: the request writes into a
+block it holds alone, nothing slides out of its window, no block completes.
+Each row carries its *quiet limits* (``_rows``), computed by the policy when
+the row was stored (:func:`~kvfunc.core._policy.row_limits`), so the fold
+recognises such an entry from four comparisons per group and skips the step:
+the lane.  It decides nothing of its own; ``tests/test_lane.py`` runs random
+programs with and without it and compares every state and delta, and
+``bench_core.py`` measures what it earns.
 """
 
 from __future__ import annotations
@@ -29,7 +36,11 @@ from kvfunc.core._prefix import PrefixHit
 from kvfunc.core._state import Transient
 from kvfunc.core._step import step
 
-__all__ = ["SlotRequest", "check_entry", "check_lookahead", "fold", "slot_entry"]
+__all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "slot_entry"]
+
+#: Whether the fold skips the step for entries that the rows' quiet limits call quiet
+#: (the lane).  Tests turn it off to compare the lane with the step on random programs.
+LANE = True
 
 
 class SlotRequest(NamedTuple):
@@ -127,14 +138,14 @@ def check_hashes(tr: Transient, hashes: object, with_hit: bool) -> None:
     if type(hashes) is not BlockHashes:
         msg = f"block_hashes must be a BlockHashes, got {excerpt(hashes)}"
         raise InvalidTypeError(msg)
-    if hashes.block_size in tr.checked:
+    if tr.check_size(hashes.block_size):
         return
     for g in tr.views:
         if g.policy.block_size % hashes.block_size:
             msg = (f"group {g.key!r} has block_size {g.policy.block_size}, not a multiple of the "
                    f"hashes' block_size {hashes.block_size}")
             raise InvalidArgumentError(msg)
-    tr.checked.add(hashes.block_size)
+    tr.checked_size(hashes.block_size)
 
 
 def check_hit(tr: Transient, request_id: Any, computed: int, keys: Any, hashes: BlockHashes,
@@ -178,38 +189,56 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
     raises the precise error or normalises it.
     """
     refused: list[Any] | None = None
-    limit, checked = tr.max_model_len, tr.checked
+    limit = tr.max_model_len
     mapping = block_hashes if tr.caching else None
+    lane = LANE
+    epoch, gets = -1, ()
     for e in entries:
         te = type(e)
         if te is tuple and len(e) == 3:
             rid, computed, new = e
-            la, reserved, keys, hashes, hit = lookahead, 0, None, None, None
-        elif te is SlotRequest:
+            la, hashes = lookahead, None
+            t = type(rid)
+            if ((t is not int and t is not str) or type(computed) is not int
+                    or type(new) is not int or (computed | new) < 0 or new + la < 0):
+                rid = None  # the general path raises the precise error
+        elif te is SlotRequest or (te is tuple and len(e) == 8):
             rid, computed, new, la, reserved, keys, hashes, hit = e
-        else:  # the general path below
-            rid = hashes = keys = hit = None
-            computed = new = la = reserved = -1
-        t = type(rid)
-        if ((t is int or t is str) and type(computed) is int and type(new) is int
-                and (computed | new) >= 0 and type(la) is int and type(reserved) is int
-                and not reserved and keys is None and hit is None and new + la >= 0):
-            if hashes is None and mapping is not None:
-                hashes = mapping.get(rid)
-            if hashes is not None and (type(hashes) is not BlockHashes
-                                       or hashes.block_size not in checked):
-                check_hashes(tr, hashes, False)
-            written = computed + new
-            total = written + la
-            if total > limit or written > limit:
-                computed, written, total = min(computed, limit), min(written, limit), min(total,
-                                                                                          limit)
-            ok = step(tr, rid, computed, written, total, 0, None, hashes, None)
+            t = type(rid)
+            if ((t is not int and t is not str) or type(computed) is not int
+                    or type(new) is not int or (computed | new) < 0 or type(la) is not int
+                    or new + la < 0 or type(reserved) is not int or reserved
+                    or keys is not None or hit is not None):
+                rid = None
         else:
+            rid = None
+        if rid is None:
             rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
                 tr, e, lookahead, mapping)
-            ok = step(tr, rid, computed, written, total, reserved, keys, hashes, hit)
-        if not ok:
+            if not step(tr, rid, computed, written, total, reserved, keys, hashes, hit):
+                refused = refused or []
+                refused.append(rid)
+            continue
+        if mapping is not None and hashes is None:
+            hashes = mapping.get(rid)
+        if hashes is not None and (type(hashes) is not BlockHashes
+                                   or hashes.block_size not in tr.checked):
+            check_hashes(tr, hashes, False)
+        written = computed + new
+        total = written + la
+        if total > limit or written > limit:
+            computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
+        if lane:  # quiet in every group: the rows' limits say so (see ``_rows``)
+            if tr.epoch != epoch:
+                epoch, gets = tr.epoch, [v.rows.get for v in tr.views]
+            for get in gets:
+                row = get(rid)
+                if (row is None or total > row[5] or computed >= row[6] or written >= row[7]
+                        or computed < row[8]):
+                    break
+            else:
+                continue
+        if not step(tr, rid, computed, written, total, 0, None, hashes, None):
             refused = refused or []
             refused.append(rid)
     return refused or ()

@@ -23,13 +23,14 @@ import attrs
 import immutables
 
 from kvfunc.core._delta import COPY_SAVED, DeltaBuilder
-from kvfunc.core._policy import KEEPS_ALL, Policy, skip_mode
+from kvfunc.core._policy import KEEPS_ALL, Policy, row_limits, skip_mode
 from kvfunc.core._pool import PoolCopy, cache_key
-from kvfunc.core._rows import Row, TablesView, leading_nulls, row_table
+from kvfunc.core._rows import Row, TablesView, leading_nulls, make_row, row_table
 
 __all__ = ["GroupCopy", "GroupState"]
 
 _new = tuple.__new__
+_set = object.__setattr__
 
 
 @attrs.frozen(slots=True, eq=False)
@@ -99,7 +100,7 @@ class GroupCopy:
         self.block_size, self.grows, self.mode, self.window = group.traits
         self.pool = pool
         self.caching = pool.caching
-        self.member = pool.members.index(group.key)
+        self.member = pool.members.index(group.key) if pool.tagged else 0
         self.tag = pool.tag(self.member)
         self.rows: Any = group.rows.mutate()
         self.sink = sink
@@ -118,17 +119,20 @@ class GroupCopy:
         return sorted(rows.items(), key=lambda kv: kv[1].seq)
 
     def put(self, request_id: Any, row: Row) -> None:
-        """Bind the request's row."""
-        self.rows[request_id] = row
+        """Bind the request's row, with its quiet limits (``_policy.row_limits``)."""
+        blocks, nulls, stored, shared, seq = row[:5]
+        limits = row_limits(self.policy, self.traits, self.caching, nulls + len(blocks), nulls,
+                            stored, shared)
+        self.rows[request_id] = _new(Row, (blocks, nulls, stored, shared, seq, *limits))
         self.changed = True
 
     def register(self, request_id: Any, seq: int) -> Row:
         """An empty row for a new request (the caller puts it); records R."""
         sink = self.sink
         if sink is not None:
-            sink.registered.append((self.key, request_id))
-            sink.order.append("R")
-        return Row((), 0, 0, 0, seq)
+            sink.rows.append((self.key, request_id))
+            sink.codes.append("R")
+        return make_row((), 0, 0, 0, seq)
 
     def release(self, request_id: Any) -> None:
         """Drop the request's row and release its blocks; records L, then the pool's F rows.
@@ -141,8 +145,8 @@ class GroupCopy:
         self.changed = True
         sink = self.sink
         if sink is not None:
-            sink.released.append((self.key, request_id))
-            sink.order.append("L")
+            sink.rows.append((self.key, request_id))
+            sink.codes.append("L")
         self.pool.release(self.release_order(row), self.key)
 
     def release_order(self, row: Row) -> Sequence[int]:
@@ -156,10 +160,10 @@ class GroupCopy:
         sink = self.sink
         if sink is not None:
             key = self.key
-            sink.nulled.extend([(key, request_id, p) for p in range(lo, upto)])
-            sink.order.append("N" * k)
+            sink.rows.extend([(key, request_id, p) for p in range(lo, upto)])
+            sink.codes.append("N" * k)
         blocks = row.blocks
-        new = _new(Row, (blocks[k:], upto, row.stored, row.shared, row.seq))
+        new = make_row(blocks[k:], upto, row.stored, row.shared, row.seq)
         self.pool.release(blocks[k - 1::-1], self.key)
         return new
 
@@ -178,17 +182,17 @@ class GroupCopy:
         if sink is not None:
             key = self.key
             if need == 1 and not nulls:  # the common decode step
-                sink.appended.append((key, request_id, ids[0]))
-                sink.order.append("A")
+                sink.rows.append((key, request_id, ids[0]))
+                sink.codes.append("A")
             else:
                 rows = [(key, request_id, 0)] * nulls
                 rows.extend([(key, request_id, b) for b in ids])
-                sink.appended.extend(rows)
-                sink.order.append("A" * len(rows))
+                sink.rows.extend(rows)
+                sink.codes.append("A" * len(rows))
         if nulls and row.blocks:
             raise AssertionError("null entries only ever form a prefix of a table")
-        return _new(Row, (row.blocks + tuple(ids), row.nulls + nulls, row.stored, row.shared,
-                          row.seq))
+        return make_row(row.blocks + tuple(ids), row.nulls + nulls, row.stored, row.shared,
+                          row.seq)
 
     def share(self, request_id: Any, row: Row, entries: Sequence[int]) -> Row:
         """Append ``entries`` by reference (0: a null entry, only as a prefix); records S / A.
@@ -207,14 +211,14 @@ class GroupCopy:
                 if p == stored and caching and pool.hash_of[b] is not None:
                     stored = p + 1
                 if sink is not None:
-                    sink.shared.append((key, request_id, b))
-                    sink.order.append("S")
+                    sink.rows.append((key, request_id, b))
+                    sink.codes.append("S")
             elif sink is not None:
-                sink.appended.append((key, request_id, 0))
-                sink.order.append("A")
+                sink.rows.append((key, request_id, 0))
+                sink.codes.append("A")
         real = tuple(entries[lead:])
         length = n + len(entries)
-        return _new(Row, (row.blocks + real, row.nulls + lead, stored, length, row.seq))
+        return make_row(row.blocks + real, row.nulls + lead, stored, length, row.seq)
 
     def copy_on_write(self, request_id: Any, row: Row, position: int) -> Row:
         """Give the request its own copy of the shared block at ``position``; records C."""
@@ -223,12 +227,12 @@ class GroupCopy:
         (dst,) = self.pool.take(1)
         sink = self.sink
         if sink is not None:
-            sink.copied.append((self.key, request_id, position, src, dst))
-            sink.order.append("C")
+            sink.rows.append((self.key, request_id, position, src, dst))
+            sink.codes.append("C")
         self.pool.release((src,), self.key)
         blocks = row.blocks[:i] + (dst,) + row.blocks[i + 1:]
         stored = min(row.stored, position)  # the copy holds nothing cached yet
-        return _new(Row, (blocks, row.nulls, stored, row.shared, row.seq))
+        return make_row(blocks, row.nulls, stored, row.shared, row.seq)
 
     # -- the hash store -------------------------------------------------------------------
     def lookup(self, digest: bytes) -> int | None:
@@ -254,11 +258,11 @@ class GroupCopy:
             h = digests[(q + 1) * m - 1]
             pool.store(b, h if tag is None else h + tag)
             if sink is not None:
-                sink.stored.append((key, request_id, q, b, h, digests[q * m - 1] if q else None,
+                sink.rows.append((key, request_id, q, b, h, digests[q * m - 1] if q else None,
                                     tuple(tokens[q * bs:(q + 1) * bs])))
-                sink.order.append("T")
-        return _new(Row, (blocks, nulls, upto, row.shared if row.shared > upto else upto,
-                          row.seq))
+                sink.codes.append("T")
+        return make_row(blocks, nulls, upto, row.shared if row.shared > upto else upto,
+                          row.seq)
 
     def save_state(self, request_id: Any, row: Row, index: int, hashes: Any) -> None:
         """Copy the request's state into a free block cached under hash ``index`` (once)."""
@@ -269,20 +273,20 @@ class GroupCopy:
         (dst,) = pool.take(1)
         sink = self.sink
         if sink is not None:
-            sink.copied.append((self.key, request_id, COPY_SAVED, row.blocks[0], dst))
-            sink.order.append("C")
+            sink.rows.append((self.key, request_id, COPY_SAVED, row.blocks[0], dst))
+            sink.codes.append("C")
         pool.store(dst, cache_key(h, self.tag))
         if sink is not None:
-            sink.stored.append((self.key, request_id, COPY_SAVED, dst, h,
+            sink.rows.append((self.key, request_id, COPY_SAVED, dst, h,
                                 hashes.parent_hash(index), ()))
-            sink.order.append("T")
+            sink.codes.append("T")
         pool.release((dst,), self.key)
 
     def unstore(self) -> None:
         """Reset every row's ``stored`` counter (after the pool forgot what it cached)."""
         for rid, row in self.items():
             if row.stored:
-                self.put(rid, _new(Row, (row.blocks, row.nulls, 0, row.shared, row.seq)))
+                self.put(rid, make_row(row.blocks, row.nulls, 0, row.shared, row.seq))
 
     # -- freezing -------------------------------------------------------------------------
     def freeze(self, pool: int) -> GroupState:
@@ -290,10 +294,16 @@ class GroupCopy:
         if not self.changed:
             return self.src
         rows = self.rows.finish()
-        self.src = GroupState(self.key, self.policy, pool, rows, self.src.traits)
+        new = object.__new__(GroupState)
+        _set(new, "key", self.key)
+        _set(new, "policy", self.policy)
+        _set(new, "pool", pool)
+        _set(new, "rows", rows)
+        _set(new, "traits", self.traits)
+        self.src = new
         self.rows = rows.mutate()
         self.changed = False
-        return self.src
+        return new
 
     @property
     def keeps_every_token(self) -> bool:

@@ -40,6 +40,7 @@ __all__ = [
     "BY_METHOD",
     "BY_WINDOW",
     "KEEPS_ALL",
+    "NEVER",
     "FullAttention",
     "Mamba",
     "Policy",
@@ -50,6 +51,7 @@ __all__ = [
     "policy_class",
     "register_policy",
     "registered_attn_types",
+    "row_limits",
     "skip_mode",
     "slid_out",
 ]
@@ -387,13 +389,22 @@ def slid_out(policy: Policy, mode: int, computed: int, held: int) -> int:
     return upto if upto < held else held
 
 
-def blocks_needed(policy: Policy, grows: bool, held: int, total: int) -> tuple[int, int]:
+def blocks_needed(policy: Policy, grows: bool, held: int, total: int, keep: bool = False
+                  ) -> tuple[int, int]:
     """``(null entries, new blocks)`` a table of ``held`` entries needs to cover ``total`` tokens.
+
+    With ``keep`` (prefix caching) a new table of a policy that grows with
+    tokens gets a block for every token, null entries none: the blocks a
+    prefill computes can then be cached, and those that slid out of a window
+    leave at the next step (:func:`slid_out`), cached, as vLLM keeps them.
 
     >>> blocks_needed(FullAttention(num_blocks=9, block_size=4), True, 2, 9)
     (0, 1)
+    >>> swa = SlidingWindow(num_blocks=9, block_size=4, sliding_window=4)
+    >>> blocks_needed(swa, True, 0, 12), blocks_needed(swa, True, 0, 12, keep=True)
+    ((1, 2), (0, 3))
     """
-    if held and grows:
+    if grows and (held or keep):
         need = -(-total // policy.block_size) - held
         return 0, need if need > 0 else 0
     return policy.plan_blocks(held, total)
@@ -419,6 +430,41 @@ def hit_span(policy: Policy, num_tokens: int) -> tuple[int, int]:
     if not policy.grows_with_tokens:
         return last - 1, last
     return min(policy.num_skipped_tokens(num_tokens) // bs, last), last
+
+
+#: A limit no token count reaches.
+NEVER = 1 << 62
+
+
+def row_limits(policy: Policy, traits: tuple[int, bool, int, int | None], caching: bool,
+               held: int, nulls: int, stored: int, shared: int) -> tuple[int, int, int, int]:
+    """A table's quiet limits ``(room, slide, fill, cow_from)`` (see ``_rows``).
+
+    A step of ``(computed, written, total)`` tokens with ``total <= room``,
+    ``computed < slide``, ``written < fill`` and ``computed >= cow_from``
+    gets nothing from the policy's answers: :func:`blocks_needed` needs no
+    block (``room``: the tokens ``held`` entries cover), :func:`slid_out`
+    recycles nothing (``slide``: where the window next leaves a block
+    behind), no block completes for the cache (``fill``) and no write lands
+    in a block another table holds (``cow_from``).  They follow from the
+    hints that :func:`check_hints` holds to the methods; a policy the hints
+    cannot describe (no growth with tokens, skipping by method) gets limits
+    that send every step to the policy.  ``tests/test_policy_limits.py``
+    checks them against the answers they stand for.
+
+    >>> row_limits(SlidingWindow(9, 4, 8), (4, True, BY_WINDOW, 8), False, 3, 0, 0, 0)
+    (12, 11, 4611686018427387904, 0)
+    """
+    bs, grows, mode, window = traits
+    held_real = held - nulls
+    if not grows or not held or mode == BY_METHOD:
+        return -1, -1, -1, 0
+    room = held * bs
+    slide = NEVER if mode == KEEPS_ALL or not held_real else (nulls + 1) * bs + window - 1  # type: ignore[operator]
+    if not caching:
+        return room, slide, NEVER, 0
+    done = stored if stored > nulls else nulls
+    return room, slide, (done + 1) * bs if done < held else NEVER, shared * bs
 
 
 _PROBES = (0, 1, 2, 3, 7, 15, 16, 17, 31, 64, 100, 1023, 1024, 1025, 4096, 65537)

@@ -226,8 +226,8 @@ class PoolCopy:
         if not self.linked:
             self.queue.push_back(ids)
             if sink is not None:
-                sink.freed.extend([(key, b) for b in ids])
-                sink.order.append("F" * len(ids))
+                sink.rows.extend([(key, b) for b in ids])
+                sink.codes.append("F" * len(ids))
             return
         hash_of = self.hash_of
         if hash_of is None:
@@ -238,8 +238,8 @@ class PoolCopy:
         self.queue.push_back(back)
         self.queue.push_front(front)
         if sink is not None:  # in release order: replay frees the whole run at once
-            sink.freed.extend([(key, b) for b in ids])
-            sink.order.append("F" * len(ids))
+            sink.rows.extend([(key, b) for b in ids])
+            sink.codes.append("F" * len(ids))
 
     def release(self, ids: Sequence[int], key: str) -> None:
         """Drop one holder of each block; free, in order, those that reach none."""
@@ -332,8 +332,8 @@ class PoolCopy:
         sink = self.sink
         if sink is not None:
             member, digest = (key[-1], key[:-1]) if self.tagged else (0, key)
-            sink.evicted.append((self.members[member], b, digest))
-            sink.order.append("E")
+            sink.rows.append((self.members[member], b, digest))
+            sink.codes.append("E")
 
     def evict(self, b: int) -> bool:
         """Evict block ``b`` if it is free and cached (vLLM's ``evict_blocks``); True if so."""
@@ -368,9 +368,16 @@ class PoolCopy:
             refs = refs.persistent()
             if self.caching:
                 hash_of, index = hash_of.persistent(), index.finish()
-        self.src = PoolState(src.name, src.members, src.num_blocks, queue, refs, hash_of, index,
-                             self.num_cached, self.detached)
+        new = object.__new__(PoolState)  # the fields of ``src``, what changed replaced
+        for name, value in zip(_FIELDS, (src.name, src.members, src.num_blocks, queue, refs,
+                                         hash_of, index, self.num_cached, self.detached),
+                               strict=True):
+            _set(new, name, value)
+        self.src = new
         self.refs, self.hash_of, self.index = refs, hash_of, index
-        self.queue = queue.copy()
-        self.writable = False
-        return self.src
+        self.writable = False  # the queue's working copy goes on from its frozen value
+        return new
+
+
+_FIELDS = tuple(a.name for a in attrs.fields(PoolState))
+_set = object.__setattr__

@@ -10,7 +10,7 @@ from kvfunc.core._checks import check_request_id, excerpt
 from kvfunc.core._delta import BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, UnknownRequestError
 from kvfunc.core._prefix import require_caching
-from kvfunc.core._rows import Row, row_table
+from kvfunc.core._rows import make_row, row_table
 from kvfunc.core._state import KVState, RequestId, Transient, check_state, find_group
 
 __all__ = ["PrefixCacheStats", "fork_request", "num_cached_blocks", "reset_prefix_cache"]
@@ -61,7 +61,7 @@ def fork_request(state: KVState, parent: RequestId, child: RequestId
         if row is None:
             continue
         g = tr.copy(i)
-        g.put(parent, _new(Row, (row.blocks, row.nulls, row.stored, row.length, row.seq)))
+        g.put(parent, make_row(row.blocks, row.nulls, row.stored, row.length, row.seq))
         g.put(child, g.share(child, g.register(child, seq), row_table(row)))
     return tr.freeze(), sink.build()
 
@@ -89,8 +89,8 @@ def reset_prefix_cache(state: KVState) -> tuple[KVState, BlocksChanged]:
     for g in tr.all_copies():
         g.pool.clear()
         g.unstore()
-        sink.cleared.append((g.key,))
-        sink.order.append("Z")
+        sink.rows.append((g.key,))
+        sink.codes.append("Z")
     return tr.freeze(), sink.build()
 
 

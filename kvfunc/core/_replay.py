@@ -38,7 +38,7 @@ from kvfunc.core._ops import (
     Stored,
 )
 from kvfunc.core._pool import cache_key
-from kvfunc.core._rows import Row
+from kvfunc.core._rows import Row, make_row
 from kvfunc.core._state import KVState, Transient, check_state
 
 __all__ = ["apply_delta_into", "replay"]
@@ -180,7 +180,7 @@ def _registered(tr: Transient, g: GroupCopy, op: Any, seqs: dict[Any, int]) -> N
     if seq is None:
         seq = seqs[op.request_id] = tr.seq
         tr.seq += 1
-    g.put(op.request_id, Row((), 0, 0, 0, seq))
+    g.put(op.request_id, make_row((), 0, 0, 0, seq))
 
 
 def _released(g: GroupCopy, op: Any, pending: list[int]) -> None:
@@ -197,8 +197,8 @@ def _nulled(g: GroupCopy, op: Any, pending: list[int]) -> None:
         _fail(f"position {excerpt(op.position)} does not extend the null prefix {row.nulls}")
     if g.keeps_every_token:
         _fail(f"{g.key!r} keeps every token: nothing slides out")
-    g.put(op.request_id, _new(Row, (row.blocks[1:], row.nulls + 1, row.stored, row.shared,
-                                    row.seq)))
+    g.put(op.request_id, make_row(row.blocks[1:], row.nulls + 1, row.stored, row.shared,
+                                    row.seq))
     _drop_holder(g, row.blocks[0], pending)
 
 
@@ -227,12 +227,12 @@ def _appended(g: GroupCopy, op: Any, pending: list[int]) -> None:
             _fail(f"a null entry in {g.key!r}, whose policy keeps every token")
         if row.blocks:
             _fail("a null entry after a real one")
-        g.put(op.request_id, _new(Row, ((), row.nulls + 1, row.stored, row.shared, row.seq)))
+        g.put(op.request_id, make_row((), row.nulls + 1, row.stored, row.shared, row.seq))
         return
     b = _block(g, op.block_id)
     _take(g, b)
-    g.put(op.request_id, _new(Row, (row.blocks + (b,), row.nulls, row.stored, row.shared,
-                                    row.seq)))
+    g.put(op.request_id, make_row(row.blocks + (b,), row.nulls, row.stored, row.shared,
+                                    row.seq))
 
 
 def _shared(g: GroupCopy, op: Any, pending: list[int]) -> None:
@@ -248,7 +248,7 @@ def _shared(g: GroupCopy, op: Any, pending: list[int]) -> None:
             if b in other.blocks:
                 pos = other.nulls + other.blocks.index(b) + 1
                 if other.shared < pos:
-                    g.put(rid, other._replace(shared=pos))
+                    g.put(rid, make_row(other.blocks, other.nulls, other.stored, pos, other.seq))
         row = g.row(op.request_id) or row
     g.put(op.request_id, g.share(op.request_id, row, (b,)))
 
@@ -271,8 +271,8 @@ def _copied(g: GroupCopy, op: Any, pending: list[int]) -> None:
         return  # held by nobody once its Stored row caches it
     i = pos - row.nulls
     blocks = row.blocks[:i] + (dst,) + row.blocks[i + 1:]
-    g.put(op.request_id, _new(Row, (blocks, row.nulls, min(row.stored, pos), row.shared,
-                                    row.seq)))
+    g.put(op.request_id, make_row(blocks, row.nulls, min(row.stored, pos), row.shared,
+                                    row.seq))
     _drop_holder(g, src, pending)
 
 
@@ -299,8 +299,8 @@ def _stored(g: GroupCopy, op: Any, pending: list[int]) -> None:
            for q in range(max(row.stored, row.nulls), pos)):
         _fail("a block before it is not cached")
     pool.store(b, key)
-    g.put(op.request_id, _new(Row, (row.blocks, row.nulls, pos + 1, max(row.shared, pos + 1),
-                                    row.seq)))
+    g.put(op.request_id, make_row(row.blocks, row.nulls, pos + 1, max(row.shared, pos + 1),
+                                    row.seq))
 
 
 def _evicted(g: GroupCopy, op: Any, pending: list[int]) -> None:

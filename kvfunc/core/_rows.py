@@ -20,6 +20,13 @@ decode step reads no per-block vector:
 ``seq`` orders the rows by registration (the state counts registrations),
 so every listing of a group's requests is in the same order in every
 process.
+
+The last four fields are the row's *quiet limits*, computed from the policy
+when the row is stored (:func:`~kvfunc.core._policy.row_limits`): a step of
+``(computed, written, total)`` tokens with ``total <= room``, ``computed <
+slide``, ``written < fill`` and ``computed >= cow_from`` has nothing to do
+in this group, so the fold decides it from the row alone.  A row built but
+not stored yet has limits that send every step to the policy (:data:`ASK`).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["NULL", "Row", "TablesView", "leading_nulls", "row_table"]
+__all__ = ["ASK", "NULL", "Row", "TablesView", "leading_nulls", "make_row", "row_table"]
 
 NULL = 0
 
@@ -40,6 +47,10 @@ class Row(NamedTuple):
     stored: int
     shared: int
     seq: int
+    room: int = -1
+    slide: int = -1
+    fill: int = -1
+    cow_from: int = 0
 
     @property
     def length(self) -> int:
@@ -47,10 +58,24 @@ class Row(NamedTuple):
         return self.nulls + len(self.blocks)
 
 
+#: The quiet limits of a row not stored yet: every step asks the policy.
+ASK = (-1, -1, -1, 0)
+_new = tuple.__new__
+
+
+def make_row(blocks: tuple[int, ...], nulls: int, stored: int, shared: int, seq: int) -> Row:
+    """A row whose quiet limits are not known yet (:data:`ASK`).
+
+    >>> make_row((4,), 0, 0, 0, 7).room
+    -1
+    """
+    return _new(Row, (blocks, nulls, stored, shared, seq, -1, -1, -1, 0))
+
+
 def row_table(row: Row) -> tuple[int, ...]:
     """The row's entries as a tuple, null entries as block 0.
 
-    >>> row_table(Row((8, 9), 1, 0, 0, 0))
+    >>> row_table(make_row((8, 9), 1, 0, 0, 0))
     (0, 8, 9)
     """
     return (NULL,) * row.nulls + row.blocks if row.nulls else row.blocks

@@ -39,7 +39,6 @@ from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, UnknownR
 from kvfunc.core._group import GroupCopy, GroupState
 from kvfunc.core._policy import Policy, check_hints, policies_by_key, policy_class
 from kvfunc.core._pool import EMPTY_MAP, PoolCopy, PoolState
-from kvfunc.core._rows import Row
 
 __all__ = [
     "LAYOUTS", "NULL_BLOCK", "BlockId", "FrozenDict", "KVState", "RequestId", "Transient",
@@ -111,6 +110,9 @@ class KVState:
     groups: tuple[GroupState, ...]
     #: registrations so far: a new row's ``seq`` (listing order), not part of equality
     seq: int = 0
+    #: ``(pool index per group, caching)``: the shape a working copy reads, derived once per
+    #: lineage (every state of a lineage has its first state's pools and groups)
+    _shape: Any = attrs.field(init=False, default=None, eq=False, repr=False)
 
     @classmethod
     def create(cls, groups: Mapping[str, Policy], max_model_len: int, *,
@@ -290,46 +292,71 @@ def _named_pools(layout: Mapping[Any, Any], keys: list[str]) -> list[tuple[str, 
 class Transient:
     """The working copy of a :class:`KVState` (see the module docstring).
 
-    ``views[i]`` is what group ``i`` reads from: the published group until
-    :meth:`copy` makes its working copy.
+    ``views[i]`` is what group ``i`` reads from and ``pools[j]`` what pool
+    ``j`` reads from: the published value until :meth:`copy` / :meth:`pool`
+    makes its working copy.  Nothing is copied before the first write, so a
+    transition that changes nothing costs a few attribute reads.
     """
 
-    __slots__ = ("caching", "checked", "copies", "group_pool", "max_model_len", "pool_copies",
-                 "pools", "seq", "sink", "src", "views")
+    __slots__ = ("caching", "checked", "copies", "epoch", "group_pool", "max_model_len",
+                 "pool_copies", "pools", "seq", "sink", "src", "views")
 
     def __init__(self, state: KVState, sink: DeltaBuilder | None = None) -> None:
         self.src = state
         self.max_model_len = state.max_model_len
         self.sink = sink
         self.seq = state.seq
-        self.caching = state.prefix_caching
-        self.views: list[Any] = list(state.groups)
-        self.copies: list[GroupCopy | None] = [None] * len(state.groups)
-        self.pools: list[Any] = list(state.pools)
-        self.pool_copies: list[PoolCopy | None] = [None] * len(state.pools)
-        self.group_pool = tuple(g.pool for g in state.groups)
-        self.checked: set[int] = set()  # hash block sizes checked against the groups
+        shape = state._shape
+        if shape is None:
+            shape = (tuple(g.pool for g in state.groups), state.prefix_caching)
+            _set(state, "_shape", shape)
+        self.group_pool, self.caching = shape
+        self.views: Any = state.groups
+        self.pools: Any = state.pools
+        self.copies: list[GroupCopy | None] | None = None
+        self.pool_copies: list[PoolCopy | None] | None = None
+        self.checked: set[int] = _NO_SIZES  # hash block sizes checked against the groups
+        self.epoch = 0  # counts the working copies made (what ``views`` reads from changed)
 
     def copy(self, i: int) -> GroupCopy:
         """The working copy of group ``i`` (made on first use, with its pool's)."""
-        g = self.copies[i]
+        copies = self.copies
+        if copies is None:
+            copies = self.copies = [None] * len(self.views)
+            self.views = list(self.views)
+        g = copies[i]
         if g is None:
-            g = self.copies[i] = self.views[i] = GroupCopy(self.views[i],
-                                                           self.pool(self.group_pool[i]),
-                                                           self.sink)
+            g = copies[i] = self.views[i] = GroupCopy(self.views[i], self.pool(self.group_pool[i]),
+                                                      self.sink)
+            self.epoch += 1
         return g
 
     def pool(self, j: int) -> PoolCopy:
         """The working copy of pool ``j`` (made on first use)."""
-        p = self.pool_copies[j]
+        copies = self.pool_copies
+        if copies is None:
+            copies = self.pool_copies = [None] * len(self.pools)
+            self.pools = list(self.pools)
+        p = copies[j]
         if p is None:
-            p = self.pool_copies[j] = self.pools[j] = PoolCopy(self.pools[j], self.sink)
+            p = copies[j] = self.pools[j] = PoolCopy(self.pools[j], self.sink)
         return p
 
     def free_count(self, j: int) -> int:
         """Free blocks of pool ``j`` now."""
         pool = self.pools[j]
-        return pool.count if self.pool_copies[j] is not None else pool.num_free  # type: ignore
+        count: int = pool.queue.count
+        return count
+
+    def check_size(self, block_size: int) -> bool:
+        """Whether hashes of ``block_size`` were checked against every group already."""
+        return block_size in self.checked
+
+    def checked_size(self, block_size: int) -> None:
+        """Remember that hashes of ``block_size`` fit every group."""
+        if self.checked is _NO_SIZES:
+            self.checked = set()
+        self.checked.add(block_size)
 
     def all_copies(self) -> list[GroupCopy]:
         """Every group's working copy."""
@@ -337,34 +364,41 @@ class Transient:
 
     def index(self, key: str) -> int:
         """The position of ``key``'s group."""
-        return self.views.index(find_group(self.views, key))
+        return list(self.views).index(find_group(self.views, key))
 
     def group(self, key: str) -> GroupCopy:
         """The working copy of ``key``'s group."""
         return self.copy(self.index(key))
 
-    def row(self, i: int, request_id: Any) -> Row | None:
-        """Group ``i``'s row of ``request_id`` (working copy or published)."""
-        found: Row | None = self.views[i].rows.get(request_id)
-        return found
-
     def freeze(self) -> KVState:
         """The current state as a value (the input state when nothing changed)."""
         src = self.src
-        pools = [p if c is None else c.freeze() for p, c in zip(src.pools, self.pool_copies,
-                                                                 strict=True)]
-        groups = [g if c is None else c.freeze(g.pool) for g, c in zip(src.groups, self.copies,
-                                                                      strict=True)]
-        if (all(a is b for a, b in zip(pools, src.pools, strict=True))
-                and all(a is b for a, b in zip(groups, src.groups, strict=True))):
+        if self.pool_copies is None and self.copies is None:
+            return src
+        changed = False
+        pools = list(src.pools)
+        for j, c in enumerate(self.pool_copies or ()):
+            if c is not None:
+                pools[j] = c.freeze()
+                changed = changed or pools[j] is not src.pools[j]
+        groups = list(src.groups)
+        for i, c in enumerate(self.copies or ()):
+            if c is not None:
+                groups[i] = c.freeze(self.group_pool[i])
+                changed = changed or groups[i] is not src.groups[i]
+        if not changed:
             return src
         state = object.__new__(KVState)
         _set(state, "max_model_len", self.max_model_len)
         _set(state, "pools", tuple(pools))
         _set(state, "groups", tuple(groups))
         _set(state, "seq", self.seq)
+        _set(state, "_shape", src._shape)
         self.src = state
         return state
+
+
+_NO_SIZES: set[int] = set()  # shared, never written: a transient's first check makes its own
 
 
 def check_state(value: object, what: str = "state") -> KVState:

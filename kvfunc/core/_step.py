@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from kvfunc.core._delta import COPY_INTO_NEW
 from kvfunc.core._group import GroupCopy
-from kvfunc.core._policy import KEEPS_ALL, blocks_needed, slid_out
+from kvfunc.core._policy import blocks_needed, slid_out
 from kvfunc.core._pool import cache_key
 from kvfunc.core._rows import Row, leading_nulls
 from kvfunc.core._state import Transient
@@ -71,14 +71,40 @@ class Plan(NamedTuple):
     store: bool
 
 
-def plan_group(tr: Transient, i: int, row: Row | None, computed: int, written: int,
+def plan_group(tr: Transient, i: int, g: Any, row: Row | None, computed: int, written: int,
                total: int, hashes: Any, hit: Any) -> Plan | bool | None:
     """Phase 1 in group ``i``: a :class:`Plan`, None (nothing to do) or False (refused).
 
-    A prefix hit whose blocks no longer hold its hashes (evicted since the
-    lookup) is refused: the scheduler looks up again.
+    A registered request costs a row read and the policy's two answers
+    (:func:`~kvfunc.core._policy.slid_out`, :func:`~kvfunc.core._policy.blocks_needed`);
+    most decode entries stop here.  A prefix hit whose blocks no longer hold
+    its hashes (evicted since the lookup) is refused: the scheduler looks up
+    again.
     """
-    g = tr.views[i]
+    _, grows, mode, _ = g.traits
+    if row is not None and hit is None:
+        nulls = row[1]
+        held = nulls + len(row[0])
+        upto = slid_out(g.policy, mode, computed, held) if mode else 0
+        add_nulls, need = blocks_needed(g.policy, grows, held, total, tr.caching)
+        cow: tuple[int, ...] = ()
+        store = False
+        if tr.caching:
+            if row[3] and total:
+                cow = cow_positions(tr, i, row, computed, total)
+            if hashes is not None:
+                done = row[2] if row[2] > nulls else nulls
+                store = completes(g.traits, held + add_nulls + need, done, computed, written,
+                                  hashes)
+        if upto <= nulls and not add_nulls and not need and not cow and not store:
+            return None
+        return _new(Plan, (i, row, None, 0, upto, add_nulls, need, cow, 0, store))
+    return _plan_new(tr, i, g, row, computed, written, total, hashes, hit)
+
+
+def _plan_new(tr: Transient, i: int, g: Any, row: Row | None, computed: int, written: int,
+              total: int, hashes: Any, hit: Any) -> Plan | bool:
+    """Phase 1 for a request new to group ``i`` (or admitted with a prefix hit)."""
     _, grows, mode, _ = g.traits
     entries, src, extra = None, 0, 0
     if hit is not None and hit.num_tokens:
@@ -96,20 +122,11 @@ def plan_group(tr: Transient, i: int, row: Row | None, computed: int, written: i
         held = nulls + len(row[0])
     else:
         held = nulls = 0
-    upto = slid_out(g.policy, mode, computed, held) if mode != KEEPS_ALL else 0
-    add_nulls, need = blocks_needed(g.policy, grows, held, total)
-    cow: tuple[int, ...] = ()
-    store = False
-    if tr.caching:
-        if row is not None and row[3] and total:
-            cow = cow_positions(tr, i, row, computed, total)
-        if hashes is not None:
-            store = completes(g.traits, held + add_nulls + need, max(row[2], nulls)
-                              if row is not None else nulls, computed, written, hashes)
-    if (row is not None and upto <= nulls and not add_nulls and not need and not cow
-            and not store):
-        return None
-    return _new(Plan, (i, row, entries, src, upto, add_nulls, need, cow, extra, store))
+    upto = slid_out(g.policy, mode, computed, held) if mode else 0
+    add_nulls, need = blocks_needed(g.policy, grows, held, total, tr.caching)
+    store = tr.caching and hashes is not None and completes(
+        g.traits, held + add_nulls + need, nulls, computed, written, hashes)
+    return _new(Plan, (i, row, entries, src, upto, add_nulls, need, (), extra, store))
 
 
 def completes(traits: tuple[int, bool, int, int | None], length: int, done: int, computed: int,
@@ -157,13 +174,13 @@ def cow_positions(tr: Transient, i: int, row: Row, computed: int, total: int) ->
 
 def has_room(tr: Transient, plans: list[Plan], reserved: int) -> bool:
     """Whether every pool holds what the plans take from it, reservations kept (phase 2)."""
-    if len(tr.pools) == 1 and len(plans) == 1 and not reserved:  # one pool, one group
+    if len(plans) == 1 and not reserved:  # one group
         p = plans[0]
         need = p.need + p.extra + len(p.cow)
         if not need:
             return True
         gain = _gain(tr, p) if p.upto > (p.row.nulls if p.row is not None else 0) else 0
-        return need <= tr.free_count(0) + gain
+        return need <= tr.free_count(tr.group_pool[p.group]) + gain
     want: dict[int, int] = {}
     for p in plans:
         j = tr.group_pool[p.group]
@@ -196,7 +213,7 @@ def apply_plans(tr: Transient, request_id: Any, plans: list[Plan]) -> list[Row]:
     phase 1 and vLLM's ``remove_skipped_blocks`` do: in a pool shared by
     several groups, a block one group recycles is the next another takes.
     """
-    copies = [tr.copies[p.group] or tr.copy(p.group) for p in plans]
+    copies = [tr.copy(p.group) for p in plans]
     rows: list[Any] = [p.row for p in plans]
     for k, p in enumerate(plans):
         row = rows[k]
@@ -216,8 +233,8 @@ def apply_plans(tr: Transient, request_id: Any, plans: list[Plan]) -> list[Row]:
         if p.src:
             sink = g.sink
             if sink is not None:  # the saved state seeds the block just appended
-                sink.copied.append((g.key, request_id, COPY_INTO_NEW, p.src, row.blocks[0]))
-                sink.order.append("C")
+                sink.rows.append((g.key, request_id, COPY_INTO_NEW, p.src, row.blocks[0]))
+                sink.codes.append("C")
         for position in p.cow:
             row = g.copy_on_write(request_id, row, position)
         rows[k] = row
@@ -243,21 +260,25 @@ def step(tr: Transient, request_id: Any, computed: int, written: int, total: int
 
     Counts are clamped to ``max_model_len`` and checked by the caller.
     """
-    plans: list[Plan] = []
+    plans: list[Plan] | None = None
     views = tr.views
     for i in range(len(views)):
-        view = views[i]
-        if keys is not None and view.key not in keys:
+        g = views[i]
+        if keys is not None and g.key not in keys:
             continue
-        row = view.rows.get(request_id)
-        plan = plan_group(tr, i, row, computed, written, total, hashes, hit)
-        if plan is False:
+        row = g.rows.get(request_id)
+        plan = plan_group(tr, i, g, row, computed, written, total, hashes, hit)
+        if plan is None:
+            if not reserved or row is None:
+                continue
+            plan = _new(Plan, (i, row, None, 0, 0, 0, 0, (), 0, False))  # its reservation
+        elif plan is False:
             return False
-        if plan is not None:
+        if plans is None:
+            plans = [plan]  # type: ignore[list-item]
+        else:
             plans.append(plan)  # type: ignore[arg-type]
-        elif reserved and row is not None:  # the reservation applies to an idle step too
-            plans.append(_new(Plan, (i, row, None, 0, 0, 0, 0, (), 0, False)))
-    if not plans:
+    if plans is None:
         return True
     if not has_room(tr, plans, reserved):
         return False
@@ -266,12 +287,12 @@ def step(tr: Transient, request_id: Any, computed: int, written: int, total: int
                  or p.need or p.cow or p.store]
     rows = apply_plans(tr, request_id, plans)
     for p, row in zip(plans, rows, strict=True):
-        g = tr.copies[p.group]
+        g = tr.copies[p.group]  # type: ignore[index]
         assert g is not None
         if p.store:
             row = cache_step(g, request_id, row, computed, written, hashes)
         g.put(request_id, row)
     if hit is not None and tr.sink is not None:
-        tr.sink.hit.append((request_id, hit.num_tokens, hit.query_tokens))
-        tr.sink.order.append("H")
+        tr.sink.rows.append((request_id, hit.num_tokens, hit.query_tokens))
+        tr.sink.codes.append("H")
     return True
