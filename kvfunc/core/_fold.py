@@ -26,8 +26,8 @@ programs with and without it and compares every state and delta, and
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, cast
 
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id, excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
@@ -192,7 +192,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
     limit = tr.max_model_len
     mapping = block_hashes if tr.caching else None
     lane = LANE
-    epoch, gets = -1, ()
+    epoch, gets = -1, cast(list[Callable[[Any], Any]], [])
     for e in entries:
         te = type(e)
         if te is tuple and len(e) == 3:

@@ -377,14 +377,14 @@ class Transient:
             return src
         changed = False
         pools = list(src.pools)
-        for j, c in enumerate(self.pool_copies or ()):
-            if c is not None:
-                pools[j] = c.freeze()
+        for j, pc in enumerate(self.pool_copies or ()):
+            if pc is not None:
+                pools[j] = pc.freeze()
                 changed = changed or pools[j] is not src.pools[j]
         groups = list(src.groups)
-        for i, c in enumerate(self.copies or ()):
-            if c is not None:
-                groups[i] = c.freeze(self.group_pool[i])
+        for i, gc in enumerate(self.copies or ()):
+            if gc is not None:
+                groups[i] = gc.freeze(self.group_pool[i])
                 changed = changed or groups[i] is not src.groups[i]
         if not changed:
             return src
