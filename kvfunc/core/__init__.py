@@ -31,6 +31,7 @@ from kvfunc.core._cache_info import (
 )
 from kvfunc.core._checks import MAX_NUM_BLOCKS
 from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, DELTA_VERSION, BlocksChanged
+from kvfunc.core._detach import DetachResult, detach_request, evict_blocks, free_detached
 from kvfunc.core._dtypes import dtype_itemsize
 from kvfunc.core._errors import (
     BlockIndexError,
@@ -58,6 +59,8 @@ from kvfunc.core._ops import (
     Appended,
     Cleared,
     Copied,
+    Detached,
+    Dropped,
     Evicted,
     Freed,
     LookedUp,
@@ -131,7 +134,10 @@ __all__ = [
     "CacheEntry",
     "Cleared",
     "Copied",
+    "DetachResult",
+    "Detached",
     "DoubleFreeError",
+    "Dropped",
     "Evicted",
     "Freed",
     "FullAttention",
@@ -177,9 +183,12 @@ __all__ = [
     "calculate_block_num",
     "calculate_fixed_block_memory_bytes",
     "check_invariants",
+    "detach_request",
     "dtype_itemsize",
+    "evict_blocks",
     "fork_request",
     "format_usage",
+    "free_detached",
     "free_request",
     "get_block_ids",
     "hash_function",

@@ -27,9 +27,14 @@ over the operations in the one order that reproduces the transition::
                                                                     block_id, block_hash,
                                                                     parent_hash, token_ids)
     E     evicted      a cached block was handed out again   Evicted(key, block_id, block_hash)
+                       (or evicted on request)
     Z     cleared      the group's prefix cache was reset    Cleared(key)
     H     hit          an admission asked the prefix cache   LookedUp(request_id, tokens,
                                                                       query_tokens)
+    D     detached     the request's table was dropped, its  Detached(key, request_id)
+                       blocks kept by a holder outside the
+                       tables (a deferred free)
+    X     dropped      a detached holder let a block go      Dropped(key, block_id)
 
 A copy's ``position`` says what it is: a table position (copy-on-write: the
 destination came from the free queue and replaces the source there),
@@ -161,6 +166,10 @@ class BlocksChanged:
     hit_request_ids: _Column[tuple[int | str, ...]] = _Column()
     hit_tokens: _Column[tuple[int, ...]] = _Column()
     hit_query_tokens: _Column[tuple[int, ...]] = _Column()
+    detached_keys: _Column[tuple[str, ...]] = _Column()
+    detached_request_ids: _Column[tuple[int | str, ...]] = _Column()
+    dropped_keys: _Column[tuple[str, ...]] = _Column()
+    dropped_block_ids: _Column[tuple[int, ...]] = _Column()
 
     def __init__(self, version: int = DELTA_VERSION, order: str = "", **columns: Any) -> None:
         cols = [_EMPTY] * len(COLUMN_NAMES)

@@ -149,6 +149,30 @@ class GroupCopy:
             sink.codes.append("L")
         self.pool.release(self.release_order(row), self.key)
 
+    def detach(self, request_id: Any) -> tuple[int, ...]:
+        """Drop the request's row, its blocks kept by a holder outside the tables (records D).
+
+        Returns the blocks in logical order (null entries left out); the
+        caller lets them go later (:meth:`PoolCopy.drop`), as vLLM's deferred
+        frees do.
+        """
+        row: Row = self.rows.pop(request_id)
+        self.changed = True
+        sink = self.sink
+        if sink is not None:
+            sink.rows.append((self.key, request_id))
+            sink.codes.append("D")
+        self.pool.detach(row.blocks)
+        return row.blocks
+
+    def unstore(self, block: int) -> None:
+        """Lower the ``stored`` hint of every row holding ``block`` (its hash was evicted)."""
+        for rid, row in self.items():
+            if block in row.blocks:
+                pos = row.nulls + row.blocks.index(block)
+                if row.stored > pos:
+                    self.put(rid, make_row(row.blocks, row.nulls, pos, row.shared, row.seq))
+
     def release_order(self, row: Row) -> Sequence[int]:
         """A released row's blocks in the order they are released (see :meth:`release`)."""
         return row.blocks[::-1] if self.pool.linked else row.blocks
@@ -282,7 +306,7 @@ class GroupCopy:
             sink.codes.append("T")
         pool.release((dst,), self.key)
 
-    def unstore(self) -> None:
+    def unstore_all(self) -> None:
         """Reset every row's ``stored`` counter (after the pool forgot what it cached)."""
         for rid, row in self.items():
             if row.stored:

@@ -50,12 +50,15 @@ from typing import Any
 
 import attrs
 
+from kvfunc.core._checks import excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 
 __all__ = ["HASH_FUNCTIONS", "BlockHash", "BlockHashes", "hash_function"]
 
 BlockHash = bytes
 HASH_FUNCTIONS = ("sha256", "blake2b", "xxh3_128")
+#: The ``hash_fn`` of hashes computed elsewhere (:meth:`BlockHashes.of_digests`).
+EXTERNAL = "external"
 _TAG = b"kvfunc.prefix/1"
 
 
@@ -120,13 +123,25 @@ def _encode_key(key: object) -> bytes:
 
 
 def _pack(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian int64 bytes; anything else is a typed error."""
+    """Token ids as little-endian int64 bytes; anything else (a bool too) is a typed error."""
     try:  # struct packs a list 2-3x faster than array("q") converts it
-        return struct.pack(f"<{len(token_ids)}q", *token_ids)
+        data = struct.pack(f"<{len(token_ids)}q", *token_ids)
     except struct.error:
         bad = next((t for t in token_ids if not _is_int64(t)), None)
-        msg = f"token ids must be ints in the int64 range, got {bad!r}"
+        msg = f"token ids must be ints in the int64 range, got {excerpt(bad)}"
         raise InvalidTypeError(msg) from None
+    if bool in set(map(type, token_ids)):  # struct packs True as 1: refuse it, as keys do
+        msg = "token ids must be ints in the int64 range, got a bool"
+        raise InvalidTypeError(msg)
+    return data
+
+
+def _token_list(token_ids: object) -> Sequence[int]:
+    """``token_ids`` if it is a sequence (not text), else a typed error."""
+    if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+        msg = f"token_ids must be a sequence of ints, got {excerpt(token_ids)}"
+        raise InvalidTypeError(msg)
+    return token_ids
 
 
 _PACKERS: dict[int, Callable[..., bytes]] = {}
@@ -212,9 +227,29 @@ class BlockHashes:
     def __init__(self, block_size: int, hash_fn: str, root: bytes,
                  hashes: Sequence[BlockHash] = (),
                  blocks: Sequence[Sequence[int]] = ()) -> None:
-        _checked(block_size, hash_fn)
-        self._fill(block_size, hash_fn, root, list(hashes), [t for b in blocks for t in b],
-                   len(hashes))
+        if hash_fn != EXTERNAL:
+            _checked(block_size, hash_fn)
+        elif type(block_size) is not int or block_size <= 0:
+            raise InvalidArgumentError(f"block_size must be a positive int, got "
+                                       f"{excerpt(block_size)}")
+        if type(root) is not bytes:
+            raise InvalidTypeError(f"root must be bytes, got {excerpt(root)}")
+        digests = _digest_list(hashes)
+        if isinstance(blocks, str | bytes) or not isinstance(blocks, Sequence):
+            raise InvalidTypeError(f"blocks must be a sequence of token blocks, got "
+                                   f"{excerpt(blocks)}")
+        if len(blocks) != len(digests):
+            msg = (f"{len(digests)} hashes need their {len(digests)} token blocks, got "
+                   f"{len(blocks)}")
+            raise InvalidArgumentError(msg)
+        tokens: list[int] = []
+        for block in blocks:
+            if len(_token_list(block)) != block_size:
+                msg = f"a token block must hold {block_size} tokens, got {excerpt(block)}"
+                raise InvalidArgumentError(msg)
+            tokens.extend(block)
+        _pack(tokens)  # ints in range, no bools
+        self._fill(block_size, hash_fn, root, digests, tokens, len(digests))
 
     def _fill(self, block_size: int, hash_fn: str, root: bytes, digests: list[BlockHash],
               tokens: list[int], num_blocks: int) -> None:
@@ -278,6 +313,7 @@ class BlockHashes:
         '23d3d67d'
         """
         fn = _checked(block_size, hash_fn)
+        _token_list(token_ids)
         if isinstance(extra_keys, str | bytes) or not isinstance(extra_keys, Sequence):
             msg = f"extra_keys must be a sequence of keys, got {extra_keys!r}"
             raise InvalidTypeError(msg)
@@ -318,6 +354,10 @@ class BlockHashes:
         if len(token_ids) < self._end:  # no new full block: the common decode step
             return self
         bs, n, hash_fn = self.block_size, self.num_blocks, self.hash_fn
+        if hash_fn == EXTERNAL:
+            msg = "these hashes were computed elsewhere: extend them with extended()"
+            raise NotSupportedError(msg)
+        _token_list(token_ids)
         full = len(token_ids) // bs
         fresh = token_ids[n * bs:full * bs]
         parent = self._digests[n - 1] if n else self.root
@@ -329,6 +369,8 @@ class BlockHashes:
             except struct.error:
                 _pack(fresh)  # raises the precise error
                 raise
+            if bool in set(map(type, fresh)):
+                _pack(fresh)  # refuses the bool
         else:
             out = _chain(hash_fn, ctor, parent, _pack(fresh), 8 * bs)
         digests, tokens = self._digests, self._tokens
@@ -342,6 +384,60 @@ class BlockHashes:
             tokens.extend(fresh)
         value = _new_hashes(BlockHashes)
         value._fill(bs, hash_fn, self.root, digests, tokens, full)
+        return value
+
+    @classmethod
+    def of_digests(cls, digests: Sequence[BlockHash], token_ids: Sequence[int],
+                   block_size: int) -> BlockHashes:
+        """Hashes computed elsewhere (an engine's own block hasher), with their tokens.
+
+        ``digests[i]`` names the prefix that ends with block ``i`` of
+        ``token_ids``; every digest needs its full block of tokens.  The
+        value's ``hash_fn`` is ``"external"``: :meth:`extended` adds later
+        blocks' digests, :meth:`update` (which would hash) is refused.
+
+        >>> h = BlockHashes.of_digests([b"d0", b"d1"], list(range(9)), 4)
+        >>> h.num_tokens, h.hash_fn, h.blocks[1]
+        (8, 'external', (4, 5, 6, 7))
+        """
+        empty = cls(block_size, EXTERNAL, b"")
+        return empty.extended(digests, token_ids)
+
+    def extended(self, digests: Sequence[BlockHash], token_ids: Sequence[int]) -> BlockHashes:
+        """These hashes with ``digests`` appended for the next full blocks of ``token_ids``.
+
+        ``token_ids`` is the request's whole sequence; it must hold a full
+        block for each new digest.  Only values made by :meth:`of_digests`
+        are extended this way.
+
+        >>> h = BlockHashes.of_digests([b"d0"], [1, 2, 3, 4], 4)
+        >>> h.extended([b"d1"], [1, 2, 3, 4, 5, 6, 7, 8]).hashes
+        (b'd0', b'd1')
+        """
+        if self.hash_fn != EXTERNAL:
+            raise NotSupportedError("only hashes computed elsewhere are extended; use update()")
+        new = _digest_list(digests)
+        _token_list(token_ids)
+        bs, n = self.block_size, self.num_blocks
+        if len(token_ids) < (n + len(new)) * bs:
+            msg = (f"{len(new)} more digests need {(n + len(new)) * bs} tokens, got "
+                   f"{len(token_ids)}")
+            raise InvalidArgumentError(msg)
+        if not new:
+            return self
+        fresh = list(token_ids[n * bs:(n + len(new)) * bs])
+        _pack(fresh)
+        digests_, tokens = self._digests, self._tokens
+        with _APPEND:
+            if len(digests_) == n:
+                digests_.extend(new)
+                tokens.extend(fresh)
+                new = []
+        if new:
+            digests_, tokens = digests_[:n] + new, tokens[:n * bs] + fresh
+        value = _new_hashes(BlockHashes)
+        value._fill(bs, EXTERNAL, self.root, digests_, tokens, len(digests_) if not new
+                    else n + len(new))
         return value
 
     def parent_hash(self, index: int) -> BlockHash | None:
@@ -375,6 +471,18 @@ class BlockHashes:
         if count == 1:  # tuple indexing and slicing, as a tuple of blocks gives
             return self.blocks[index]
         return tuple(t for block in self.blocks[index:index + count] for t in block)
+
+
+def _digest_list(hashes: object) -> list[BlockHash]:
+    """``hashes`` as a list of non-empty ``bytes`` digests, else a typed error."""
+    if isinstance(hashes, str | bytes) or not isinstance(hashes, Sequence):
+        raise InvalidTypeError(f"hashes must be a sequence of bytes digests, got "
+                               f"{excerpt(hashes)}")
+    digests = list(hashes)
+    for h in digests:
+        if type(h) is not bytes or not h:
+            raise InvalidTypeError(f"a block hash must be non-empty bytes, got {excerpt(h)}")
+    return digests
 
 
 def check_block_hashes(value: Any) -> BlockHashes:

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 __all__ = [
-    "COLUMNS", "FAMILIES", "RECORDS", "Appended", "Cleared", "Copied", "Evicted", "Freed",
-    "LookedUp", "Nulled", "Operation", "Registered", "Released", "Shared", "Stored",
+    "COLUMNS", "FAMILIES", "RECORDS", "Appended", "Cleared", "Copied", "Detached", "Dropped",
+    "Evicted", "Freed", "LookedUp", "Nulled", "Operation", "Registered", "Released", "Shared",
+    "Stored",
 ]
 
 
@@ -95,6 +96,20 @@ class Cleared(NamedTuple):
     key: str
 
 
+class Detached(NamedTuple):
+    """The request's table was dropped; its blocks keep a holder outside the tables."""
+
+    key: str
+    request_id: int | str
+
+
+class Dropped(NamedTuple):
+    """One holder of a detached block let it go (a Freed row follows if it was the last)."""
+
+    key: str
+    block_id: int
+
+
 class LookedUp(NamedTuple):
     """An admission asked the prefix cache: tokens hit and tokens looked up."""
 
@@ -104,7 +119,7 @@ class LookedUp(NamedTuple):
 
 
 Operation = (Registered | Released | Nulled | Freed | Appended | Shared | Copied | Stored
-             | Evicted | Cleared | LookedUp)
+             | Evicted | Cleared | LookedUp | Detached | Dropped)
 
 #: ``(code, family prefix, record type)`` in field order; the columns of a family are
 #: ``f"{prefix}_{name}"`` for the record's fields, pluralised.
@@ -112,7 +127,8 @@ FAMILIES: tuple[tuple[str, str, type[Any]], ...] = (
     ("R", "registered", Registered), ("L", "released", Released), ("N", "nulled", Nulled),
     ("F", "freed", Freed), ("A", "appended", Appended), ("S", "shared", Shared),
     ("C", "copied", Copied), ("T", "stored", Stored), ("E", "evicted", Evicted),
-    ("Z", "cleared", Cleared), ("H", "hit", LookedUp),
+    ("Z", "cleared", Cleared), ("H", "hit", LookedUp), ("D", "detached", Detached),
+    ("X", "dropped", Dropped),
 )
 
 _PLURAL = {"key": "keys", "request_id": "request_ids", "position": "positions",

@@ -336,13 +336,25 @@ class PoolCopy:
             sink.codes.append("E")
 
     def evict(self, b: int) -> bool:
-        """Evict block ``b`` if it is free and cached (vLLM's ``evict_blocks``); True if so."""
-        if not self.caching or self.refs[b] or self.hash_of[b] is None:
+        """Forget what block ``b`` caches, held or free (vLLM's ``evict_blocks``); True if it did.
+
+        A free block keeps its place in the queue; a held block stays held.
+        """
+        if not self.caching or self.hash_of[b] is None:
             return False
         if not self.writable:
             self.writing()
         self._evict(b)
         return True
+
+    def drop(self, ids: Sequence[int], key: str) -> None:
+        """Let one detached holder of each block go (records X), freeing those nobody holds."""
+        sink = self.sink
+        if sink is not None:
+            sink.rows.extend([(key, b) for b in ids])
+            sink.codes.append("X" * len(ids))
+        self.attach(ids)
+        self.release(ids, key)
 
     def clear(self) -> int:
         """Forget every cached key (held blocks stay held); how many blocks were cached."""

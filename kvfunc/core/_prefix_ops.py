@@ -88,7 +88,7 @@ def reset_prefix_cache(state: KVState) -> tuple[KVState, BlocksChanged]:
     tr = Transient(state, sink)
     for g in tr.all_copies():
         g.pool.clear()
-        g.unstore()
+        g.unstore_all()
         sink.rows.append((g.key,))
         sink.codes.append("Z")
     return tr.freeze(), sink.build()

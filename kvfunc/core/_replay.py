@@ -28,6 +28,8 @@ from kvfunc.core._ops import (
     Appended,
     Cleared,
     Copied,
+    Detached,
+    Dropped,
     Evicted,
     Freed,
     LookedUp,
@@ -124,6 +126,9 @@ def _apply(tr: Transient, op: Any, pending: dict[str, list[int]], seqs: dict[Any
     g = tr.group(op.key)
     if type(op) is Registered:
         _registered(tr, g, op, seqs)
+        return
+    if type(op) is Evicted:
+        _evicted(tr, g, op)
         return
     _HANDLERS[type(op)](g, op, pending.setdefault(g.pool.members[0], []))
 
@@ -303,23 +308,41 @@ def _stored(g: GroupCopy, op: Any, pending: list[int]) -> None:
                                     row.seq))
 
 
-def _evicted(g: GroupCopy, op: Any, pending: list[int]) -> None:
+def _evicted(tr: Transient, g: GroupCopy, op: Any) -> None:
     pool = g.pool
     b = _block(g, op.block_id)
-    if (not pool.caching or type(op.block_hash) is not bytes or pool.refs[b]
+    if (not pool.caching or type(op.block_hash) is not bytes
             or pool.hash_of[b] != cache_key(op.block_hash, g.tag)):
-        _fail(f"block {b} is not a free block cached under {excerpt(op.block_hash)}")
+        _fail(f"block {b} is not a block cached under {excerpt(op.block_hash)}")
+    held = pool.refs[b] > 0
     pool.evict(b)
+    if held:  # an explicit eviction: the rows that hold it no longer count it stored
+        for key in pool.members:
+            tr.group(key).unstore(b)
+
+
+def _detached(g: GroupCopy, op: Any, pending: list[int]) -> None:
+    _row(g, op.request_id)
+    g.detach(op.request_id)
+
+
+def _dropped(g: GroupCopy, op: Any, pending: list[int]) -> None:
+    b = _block(g, op.block_id)
+    if not g.pool.detached.get(b):
+        _fail(f"block {b} is not detached")
+    g.pool.attach((b,))
+    _drop_holder(g, b, pending)
 
 
 def _cleared(g: GroupCopy, op: Any, pending: list[int]) -> None:
     if not g.pool.caching:
         _fail(f"{g.key!r} has no prefix cache")
     g.pool.clear()
-    g.unstore()
+    g.unstore_all()
 
 
 _HANDLERS: dict[type[Any], Any] = {
     Released: _released, Nulled: _nulled, Appended: _appended, Shared: _shared,
-    Copied: _copied, Stored: _stored, Evicted: _evicted, Cleared: _cleared,
+    Copied: _copied, Stored: _stored, Cleared: _cleared, Detached: _detached,
+    Dropped: _dropped,
 }

@@ -16,6 +16,7 @@ from kvfunc.core import (
     Appended,
     BlocksChanged,
     Copied,
+    Detached,
     Nulled,
     Registered,
     Released,
@@ -56,7 +57,8 @@ class DeltaPlan:
         """Plan every operation of ``delta`` in order (see the module docstring)."""
         index = self.buf._index
         handlers: dict[type[Any], Any] = {
-            Registered: self.register, Released: self.release, Nulled: self.null,
+            Registered: self.register, Released: self.release, Detached: self.release,
+            Nulled: self.null,
             Appended: self.append, Shared: self.append, Copied: self.copy}
         for op in delta.operations():
             handler = handlers.get(type(op))
