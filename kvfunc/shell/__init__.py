@@ -6,7 +6,8 @@ and slot mappings from a state (:func:`build_block_tables`,
 :func:`build_slot_mappings`) or keeps them up to date from deltas
 (:class:`BlockTableBuffer`), performs the block operations a delta asks for
 (:func:`apply_delta`, :func:`copy_blocks`, :func:`swap_blocks`,
-:func:`zero_blocks`), and ships a reference paged attention and a tiny
+:func:`zero_blocks`), moves blocks between a device cache and its host tier
+(:class:`HostBlockPool`, :class:`BlockMover`), and ships a reference paged attention and a tiny
 decoder (:class:`TinyDecoder`) that verify all of it end to end.
 
 Importing it checks that pyrsistent runs with its C extension: without
@@ -23,7 +24,9 @@ from kvfunc.shell._device import (
     resolve_device,
     torch_dtype,
 )
+from kvfunc.shell._host_pool import HostBlockPool
 from kvfunc.shell._memory import device_memory_info, host_memory_info
+from kvfunc.shell._move_handles import LayerHandle, MoveHandle
 from kvfunc.shell._reference_attention import (
     attend,
     gather_from_cache,
@@ -42,6 +45,7 @@ from kvfunc.shell._tensors import (
     plan_cache_tensors,
     with_cache_tensors,
 )
+from kvfunc.shell._tiers import BlockMover
 
 
 def _require_pvectorc() -> None:
@@ -57,10 +61,14 @@ _require_pvectorc()
 
 __all__ = [
     "ALIGNMENT_BYTES",
+    "BlockMover",
     "BlockTableBuffer",
     "CacheTensorSpec",
     "DeviceError",
     "DeviceLike",
+    "HostBlockPool",
+    "LayerHandle",
+    "MoveHandle",
     "TableSpec",
     "TensorSet",
     "TinyDecoder",
