@@ -77,7 +77,7 @@ def blocks_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
-def _check_device_tensors(named: list[tuple[str, torch.Tensor]]) -> torch.device:
+def check_device_tensors(named: list[tuple[str, torch.Tensor]]) -> torch.device:
     if not named:
         raise InvalidArgumentError("device_tensors must hold at least one tensor")
     device = named[0][1].device
@@ -85,8 +85,10 @@ def _check_device_tensors(named: list[tuple[str, torch.Tensor]]) -> torch.device
         if t.device != device:
             msg = f"{name} is on {t.device} but {named[0][0]} is on {device}"
             raise InvalidArgumentError(msg)
-        if not blocks_contiguous(t):
-            msg = f"blocks of {name} are not contiguous (strides {list(t.stride())})"
+        if not blocks_contiguous(t) or (t.shape[0] > 1 and t.stride(0) * t.element_size()
+                                        < block_bytes_of(t)):
+            msg = (f"blocks of {name} are not contiguous and apart (shape {list(t.shape)}, "
+                   f"strides {list(t.stride())})")
             raise InvalidArgumentError(msg)
         if block_bytes_of(t) == 0:
             raise InvalidArgumentError(f"blocks of {name} are empty (shape {list(t.shape)})")
@@ -169,7 +171,7 @@ class HostBlockPool:
         (torch.Size([3, 4, 2]), 64, (0, 32), False)
         """
         named = _named(device_tensors, "device_tensors")
-        device = _check_device_tensors(named)
+        device = check_device_tensors(named)
         if type(num_blocks) is not int:
             raise InvalidTypeError(f"num_blocks must be an int, but got {num_blocks!r}")
         if num_blocks < 0:

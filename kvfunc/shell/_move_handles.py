@@ -171,9 +171,10 @@ class MoveWorker:
             finally:
                 self._run.release()
 
-    def stop(self) -> None:
-        """Run what is queued, then end the thread."""
+    def stop(self, wait: bool = True) -> None:
+        """Run what is queued, then end the thread (and with ``wait``, join it)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()

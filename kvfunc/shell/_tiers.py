@@ -38,7 +38,9 @@ being moved must not be written by anyone else until its handle is done.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,12 @@ import torch
 
 from kvfunc.core import InvalidArgumentError
 from kvfunc.shell._blocks import BlockIds, TensorSet, _Ids, _pair, _swap_pairs
-from kvfunc.shell._host_pool import HostBlockPool, check_host_pool, positions_of
+from kvfunc.shell._host_pool import (
+    HostBlockPool,
+    check_device_tensors,
+    check_host_pool,
+    positions_of,
+)
 from kvfunc.shell._move_handles import MoveHandle, MoveWorker
 from kvfunc.shell._move_plan import MovePlan, plan_move, row_runs
 
@@ -136,6 +143,19 @@ def _layers(host: HostBlockPool, layers: Sequence[Sequence[str | int]] | None) -
     return out
 
 
+def _run_cpu(handle: MoveHandle, plan: MovePlan, srcs: list[_Bytes], dsts: list[_Bytes],
+             layers: list[list[int]]) -> None:
+    """One CPU move, layer by layer (a job of the mover's worker)."""
+    try:
+        for layer, group in zip(handle.layers, layers, strict=True):
+            if len(plan.src_ids):
+                for i in group:
+                    copy_rows_cpu(plan, srcs[i], dsts[i])
+            layer.event.set()
+    except Exception as exc:  # reported to every waiter by the handle
+        handle.fail(exc)
+
+
 class BlockMover:
     """Copies blocks between device cache tensors and their host pool (module docstring).
 
@@ -179,15 +199,13 @@ class BlockMover:
         Raises:
             InvalidTypeError: not tensors, or ``host`` not a HostBlockPool.
             InvalidArgumentError: keys, counts, block shapes or layers that do
-                not match, tensors on several devices.
+                not match, tensors on several devices, blocks that are not
+                contiguous or overlap.
         """
         host = check_host_pool(host)
         pairs = _swap_pairs(device_tensors, host.tensor_set())
-        devices = {d.device for _, d, _, _ in pairs}
-        if len(devices) != 1:
-            raise InvalidArgumentError(f"device tensors are on several devices: {devices}")
+        device = check_device_tensors([(name, d) for name, d, _, _ in pairs])
         groups = _layers(host, layers)
-        (device,) = devices
         return cls([_Bytes(d) for _, d, _, _ in pairs], [_Bytes(h) for _, _, _, h in pairs],
                    groups, device.type == "cuda")
 
@@ -238,20 +256,11 @@ class BlockMover:
                 return self._move_cuda(plan, srcs, dsts)
             if self._worker is None:
                 self._worker = MoveWorker()
+                # A mover dropped without close() still ends its thread.
+                weakref.finalize(self, self._worker.stop, False)
             handle = MoveHandle(len(self._layers), worker=self._worker)
-            self._worker.submit(lambda: self._run_cpu(handle, plan, srcs, dsts))
+            self._worker.submit(partial(_run_cpu, handle, plan, srcs, dsts, self._layers))
             return handle
-
-    def _run_cpu(self, handle: MoveHandle, plan: MovePlan, srcs: list[_Bytes],
-                 dsts: list[_Bytes]) -> None:
-        try:
-            for layer, group in zip(handle.layers, self._layers, strict=True):
-                if len(plan.src_ids):
-                    for i in group:
-                        copy_rows_cpu(plan, srcs[i], dsts[i])
-                layer.event.set()
-        except Exception as exc:  # reported to every waiter by the handle
-            handle.fail(exc)
 
     def _move_cuda(self, plan: MovePlan, srcs: list[_Bytes], dsts: list[_Bytes]
                    ) -> MoveHandle:

@@ -25,6 +25,7 @@ from kvfunc.shell import (
     MooncakeStore,
     MooncakeStoreConfig,
     StoreDataError,
+    StoreError,
     StoreMissError,
     StoreTimeoutError,
     StoreUnavailableError,
@@ -278,3 +279,30 @@ def test_a_silent_master_times_out_and_blocks_are_fenced(own_servers: MooncakeSe
             own_servers.resume_master()
         assert st.wait_idle(30)
         assert (True, True) == st.contains(hs)
+
+
+@pytest.mark.parametrize("answer", [[1], ["1", 1], None, RuntimeError("boom")])
+def test_answers_of_the_wrong_shape_raise_store_errors(store: MooncakeStore, answer: Any) -> None:
+    """A client answer of the wrong length or type, or a client that raises, is a StoreError
+    (never taken for a status), and the store keeps working afterwards."""
+    client = store._client
+
+    class Answers:
+        """Forwards to the real client, except ``batch_is_exist``, which answers ``answer``."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(client, name)
+
+        def batch_is_exist(self, keys: list[str]) -> Any:
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    store._client = Answers()
+    try:
+        with pytest.raises(StoreError) as err:
+            store.contains([b"x", b"y"])
+        assert type(err.value) is StoreError
+    finally:
+        store._client = client
+    assert (False, False) == store.contains([b"x", b"y"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 
 import numpy as np
 import pytest
@@ -259,3 +260,27 @@ def test_fingerprints_name_the_block_format() -> None:
              HostBlockPool.like([torch.zeros(3, 4)], 2)]
     assert a.fingerprint == same.fingerprint
     assert a.fingerprint not in {p.fingerprint for p in other}
+
+
+def test_a_mover_dropped_without_close_ends_its_thread() -> None:
+    """Garbage-collecting a mover stops its worker thread once the queued moves are done."""
+    dev = cache(4, [(8,)], seed=10)
+    mover = BlockMover.create(dev, HostBlockPool.like(dev, 2))
+    handle = mover.store([0], [1])
+    assert mover._worker is not None
+    thread = mover._worker._thread
+    del mover
+    gc.collect()
+    thread.join(30)
+    assert not thread.is_alive() and handle.done()
+
+
+def test_mover_refuses_device_blocks_it_cannot_copy_as_bytes() -> None:
+    """Device tensors whose blocks are strided inside or overlap are refused, not misread."""
+    dev = cache(4, [(8,)], seed=11)
+    host = HostBlockPool.like(dev, 2)
+    strided = torch.zeros(4, 16, dtype=torch.float16)[:, ::2]
+    overlapping = torch.zeros(1, 8, dtype=torch.float16).expand(4, 8)
+    for bad in (strided, overlapping):
+        with pytest.raises(InvalidArgumentError, match="contiguous and apart"):
+            BlockMover.create({"t0": bad}, host)
