@@ -128,8 +128,8 @@ class HostBlockPool:
     """
 
     names: tuple[str, ...]
-    tensors: tuple[torch.Tensor, ...]
-    buffers: tuple[torch.Tensor, ...]
+    tensors: tuple[torch.Tensor, ...] = attrs.field(repr=False)
+    buffers: tuple[torch.Tensor, ...] = attrs.field(repr=False)
     num_blocks: int
     layout: str
     pinned: bool

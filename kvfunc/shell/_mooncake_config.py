@@ -67,6 +67,11 @@ class MooncakeStoreConfig:
         probe_timeout_s: the deadline of the connection probe.
         call_timeout_s: the deadline of every other call.
         batch_objects: most objects per store call.
+
+    >>> c = MooncakeStoreConfig(master_address="10.0.0.5:50051",
+    ...                         metadata_server="http://10.0.0.5:8080/metadata")
+    >>> c.global_segment_bytes, c.call_timeout_s, c.batch_objects
+    (0, 30.0, 64)
     """
 
     master_address: str = attrs.field(validator=_text)

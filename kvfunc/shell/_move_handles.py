@@ -78,7 +78,17 @@ class LayerHandle:
 
 
 class MoveHandle:
-    """A move in flight: ``wait()``, ``done()`` and ``layers[i]``, one per layer."""
+    """A move in flight: ``wait()``, ``done()`` and ``layers[i]``, one per layer.
+
+    Made by :class:`~kvfunc.shell.BlockMover`, which sets each layer's event when the
+    layer's blocks are in place:
+
+    >>> h = MoveHandle(2)
+    >>> len(h.layers), h.layers[0].done()
+    (2, False)
+    >>> h.layers[0].event.set(); h.layers[1].event.set(); h.wait(), h.done()
+    (True, True)
+    """
 
     __slots__ = ("_error", "layers", "worker")
 

@@ -75,6 +75,8 @@ def _starts(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
 
 
 def _bounds(starts: np.ndarray, n: int) -> list[tuple[int, int]]:
+    if n == 0:
+        return []
     ends = [*starts[1:].tolist(), n]
     return list(zip(starts.tolist(), ends, strict=True))
 
@@ -124,6 +126,8 @@ def row_runs(src_ids: np.ndarray, dst_ids: np.ndarray, split: bool
     [(9, 0, 1), (1, 4, 3)]
     >>> row_runs(np.array([1, 2]), np.array([4, 5]), True)
     [(1, 4, 1), (2, 5, 1)]
+    >>> row_runs(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), False)
+    []
     """
     if split:
         return [(s, d, 1) for s, d in zip(src_ids.tolist(), dst_ids.tolist(), strict=True)]

@@ -262,7 +262,8 @@ def test_an_unreachable_master_fails_connect_in_time() -> None:
 
 def test_a_silent_master_times_out_and_blocks_are_fenced(own_servers: MooncakeServers) -> None:
     """A paused master: the get passes its deadline with its blocks named busy, later calls
-    are refused until it returns, and the store works again once the master runs."""
+    are refused until it returns, the store works again once the master runs, and a closed
+    store refuses calls."""
     host = pool("block")
     hs = hashes("paused", 2)
     with MooncakeStore.connect(config(own_servers, call_timeout_s=1.0), host,
@@ -279,6 +280,8 @@ def test_a_silent_master_times_out_and_blocks_are_fenced(own_servers: MooncakeSe
             own_servers.resume_master()
         assert st.wait_idle(30)
         assert (True, True) == st.contains(hs)
+    with pytest.raises(StoreUnavailableError, match="closed"):
+        st.contains(hs)
 
 
 @pytest.mark.parametrize("answer", [[1], ["1", 1], None, RuntimeError("boom")])

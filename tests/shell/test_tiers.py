@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvfunc.core import BlockIndexError, InvalidArgumentError, InvalidTypeError
 from kvfunc.shell import BlockMover, DeviceError, HostBlockPool
 from kvfunc.shell._move_plan import plan_move, row_runs
-from kvfunc.shell._tiers import ROW_COPY_MIN_BYTES
+from kvfunc.shell._tiers import ROW_COPY_MIN_BYTES, copy_rows_cuda
 
 
 def cache(num_blocks: int, shapes: list[tuple[int, ...]], seed: int = 0,
@@ -117,6 +117,26 @@ def test_device_copies_are_one_per_contiguous_range() -> None:
     src, dst = np.array([7, 3, 4, 5, 8]), np.array([9, 0, 1, 2, 10])
     assert [(3, 0, 3), (7, 9, 2)] == row_runs(src, dst, False)
     assert [(7, 9, 1), (3, 0, 1), (4, 1, 1), (5, 2, 1), (8, 10, 1)] == row_runs(src, dst, True)
+
+
+@given(moves(), st.sampled_from(["layer", "block"]))
+def test_the_device_path_copies_equal_an_indexed_copy(move: tuple[int, int, list[int], list[int]],
+                                                      layout: str) -> None:
+    """The CUDA path's copies (one per contiguous range), run here on CPU tensors, store
+    exactly ``host[d[i]] = dev[s[i]]`` in both layouts."""
+    num_src, num_dst, src_ids, dst_ids = move
+    dev = cache(num_src, [(4, 2), (3,)], seed=12)
+    host = HostBlockPool.like(dev, num_dst, layout=layout)
+    for t in host.tensors:
+        t.zero_()
+    mover = BlockMover.create(dev, host)
+    want = [expected_after(h, d, src_ids, dst_ids)
+            for d, h in zip(dev.values(), host.tensors, strict=True)]
+    plan = plan_move(np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64))
+    for d, h in zip(mover._device, mover._host, strict=True):
+        copy_rows_cuda(plan, d, h)
+    mover.close()
+    assert all(torch.equal(w, as_bytes(h)) for w, h in zip(want, host.tensors, strict=True))
 
 
 def test_layers_finish_in_order_and_wait_returns_when_all_are_done() -> None:
