@@ -6,8 +6,11 @@ and slot mappings from a state (:func:`build_block_tables`,
 :func:`build_slot_mappings`) or keeps them up to date from deltas
 (:class:`BlockTableBuffer`), performs the block operations a delta asks for
 (:func:`apply_delta`, :func:`copy_blocks`, :func:`swap_blocks`,
-:func:`zero_blocks`), and ships a reference paged attention and a tiny
-decoder (:class:`TinyDecoder`) that verify all of it end to end.
+:func:`zero_blocks`), moves blocks between a device cache and its host tier
+(:class:`HostBlockPool`, :class:`BlockMover`) and between the host tier and
+Mooncake Store (:class:`MooncakeStore`), and ships a reference paged
+attention and a tiny decoder (:class:`TinyDecoder`) that verify all of it
+end to end.
 
 Importing it checks that pyrsistent runs with its C extension: without
 ``pvectorc`` the allocator's hot path is 2-6x slower, so a build without it
@@ -23,7 +26,11 @@ from kvfunc.shell._device import (
     resolve_device,
     torch_dtype,
 )
+from kvfunc.shell._host_pool import HostBlockPool
 from kvfunc.shell._memory import device_memory_info, host_memory_info
+from kvfunc.shell._mooncake_config import MooncakeStoreConfig
+from kvfunc.shell._mooncake_store import MooncakeStore
+from kvfunc.shell._move_handles import LayerHandle, MoveHandle
 from kvfunc.shell._reference_attention import (
     attend,
     gather_from_cache,
@@ -31,6 +38,19 @@ from kvfunc.shell._reference_attention import (
     write_to_cache,
 )
 from kvfunc.shell._reference_model import TinyDecoder, TinyDecoderConfig
+from kvfunc.shell._store_errors import (
+    MOONCAKE_ERROR_CODES,
+    StoreConflictError,
+    StoreDataError,
+    StoreError,
+    StoreFullError,
+    StoreMissError,
+    StoreRequestError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+    mooncake_error,
+)
+from kvfunc.shell._store_keys import TransferResult, block_key
 from kvfunc.shell._tables import build_block_tables, build_slot_mappings, slot_mapping
 from kvfunc.shell._tensors import (
     ALIGNMENT_BYTES,
@@ -42,6 +62,7 @@ from kvfunc.shell._tensors import (
     plan_cache_tensors,
     with_cache_tensors,
 )
+from kvfunc.shell._tiers import BlockMover
 
 
 def _require_pvectorc() -> None:
@@ -57,16 +78,33 @@ _require_pvectorc()
 
 __all__ = [
     "ALIGNMENT_BYTES",
+    "MOONCAKE_ERROR_CODES",
+    "BlockMover",
     "BlockTableBuffer",
     "CacheTensorSpec",
     "DeviceError",
     "DeviceLike",
+    "HostBlockPool",
+    "LayerHandle",
+    "MooncakeStore",
+    "MooncakeStoreConfig",
+    "MoveHandle",
+    "StoreConflictError",
+    "StoreDataError",
+    "StoreError",
+    "StoreFullError",
+    "StoreMissError",
+    "StoreRequestError",
+    "StoreTimeoutError",
+    "StoreUnavailableError",
     "TableSpec",
     "TensorSet",
     "TinyDecoder",
     "TinyDecoderConfig",
+    "TransferResult",
     "apply_delta",
     "attend",
+    "block_key",
     "build_block_tables",
     "build_slot_mappings",
     "cache_tensors_by_key",
@@ -78,6 +116,7 @@ __all__ = [
     "gather_from_cache",
     "host_memory_info",
     "import_torch_npu",
+    "mooncake_error",
     "paged_attention",
     "plan_cache_tensors",
     "resolve_device",

@@ -1,0 +1,306 @@
+"""The host pool and the block mover: layouts, every copy plan, handles, and bad inputs."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvfunc.core import BlockIndexError, InvalidArgumentError, InvalidTypeError
+from kvfunc.shell import BlockMover, DeviceError, HostBlockPool
+from kvfunc.shell._move_plan import plan_move, row_runs
+from kvfunc.shell._tiers import ROW_COPY_MIN_BYTES, copy_rows_cuda
+
+
+def cache(num_blocks: int, shapes: list[tuple[int, ...]], seed: int = 0,
+          dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> dict[str, torch.Tensor]:
+    """Device tensors ``{"t<i>": [num_blocks, *shape]}`` of seeded random bytes, dtypes in turn."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, shape in enumerate(shapes):
+        dtype = dtypes[i % len(dtypes)]
+        size = torch.empty((), dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (num_blocks, *shape[:-1], shape[-1] * size), generator=gen,
+                            dtype=torch.uint8)
+        out[f"t{i}"] = raw.view(dtype)
+    return out
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's blocks as a contiguous uint8 copy, ``[num_blocks, block_bytes]``."""
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1).clone()
+
+
+def expected_after(dst: torch.Tensor, src: torch.Tensor, src_ids: list[int],
+                   dst_ids: list[int]) -> torch.Tensor:
+    """What ``dst`` holds (as bytes) after copying ``src[src_ids[i]] -> dst[dst_ids[i]]``."""
+    want = as_bytes(dst)
+    if src_ids:
+        want[dst_ids] = as_bytes(src)[src_ids]
+    return want
+
+
+@st.composite
+def moves(draw: st.DrawFn) -> tuple[int, int, list[int], list[int]]:
+    """Source and destination block counts and a move's ids, often in runs, destinations
+    distinct."""
+    num_src = draw(st.integers(1, 24))
+    num_dst = draw(st.integers(1, 24))
+    n = draw(st.integers(0, min(num_src, num_dst)))
+    pattern = draw(st.sampled_from(["runs", "src-runs", "dst-runs", "random"]))
+    if pattern == "runs" or pattern == "dst-runs":
+        d0 = draw(st.integers(0, num_dst - n))
+        dst = list(range(d0, d0 + n))
+    else:
+        dst = draw(st.permutations(range(num_dst)))[:n]
+    if pattern == "runs" or pattern == "src-runs":
+        s0 = draw(st.integers(0, num_src - n))
+        src = list(range(s0, s0 + n))
+    else:
+        src = draw(st.lists(st.integers(0, num_src - 1), min_size=n, max_size=n))
+    return num_src, num_dst, src, dst
+
+
+@given(moves(), st.sampled_from(["layer", "block"]), st.sampled_from(["store", "load"]),
+       st.sampled_from([[(4, 2)], [(2, 8), (3,)], [(1024, 8)]]))
+def test_moves_equal_an_indexed_copy(move: tuple[int, int, list[int], list[int]], layout: str,
+                                     direction: str, shapes: list[tuple[int, ...]]) -> None:
+    """Every plan (runs, gather, scatter, rows, staged) writes dst[d[i]] = src[s[i]] and no more."""
+    num_src, num_dst, src_ids, dst_ids = move
+    num_dev, num_host = (num_src, num_dst) if direction == "store" else (num_dst, num_src)
+    dev = cache(num_dev, shapes, seed=1, dtypes=(torch.float16, torch.float32))
+    host = HostBlockPool.like(dev, num_host, layout=layout)
+    for t in host.tensors:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                dtype=torch.uint8))
+    pairs = list(zip(dev.values(), host.tensors, strict=True))
+    if direction == "load":
+        pairs = [(h, d) for d, h in pairs]
+    want = [expected_after(d, s, src_ids, dst_ids) for s, d in pairs]
+    before_src = [as_bytes(s) for s, _ in pairs]
+    mover = BlockMover.create(dev, host)
+    try:
+        assert mover.move(direction, src_ids, dst_ids).wait(30)
+    finally:
+        mover.close()
+    assert all(torch.equal(w, as_bytes(d)) for w, (_, d) in zip(want, pairs, strict=True))
+    assert all(torch.equal(b, as_bytes(s)) for b, (s, _) in zip(before_src, pairs, strict=True))
+
+
+def test_each_plan_kind_is_taken_and_correct() -> None:
+    """runs, gather, scatter, per-row and staged copies are each chosen where they fit."""
+    cases = {"runs": ([4, 5, 6, 7], [0, 1, 2, 3]), "gather": ([9, 2, 7, 4], [0, 1, 2, 3]),
+             "scatter": ([4, 5, 6, 7], [3, 0, 9, 6]), "scattered": ([9, 2, 7, 4], [3, 0, 8, 5])}
+    for row_shape in [(ROW_COPY_MIN_BYTES // 2,), (4,)]:  # per-row copies, then staged
+        dev = cache(12, [row_shape, row_shape], seed=3)
+        host = HostBlockPool.like(dev, 10, layout="block")
+        mover = BlockMover.create(dev, host)
+        try:
+            for kind, (src, dst) in cases.items():
+                assert kind == plan_move(np.array(src), np.array(dst)).kind
+                want = [expected_after(h, d, src, dst) for d, h in
+                        zip(dev.values(), host.tensors, strict=True)]
+                assert mover.store(src, dst).wait(30)
+                assert all(torch.equal(w, as_bytes(h)) for w, h in
+                           zip(want, host.tensors, strict=True))
+        finally:
+            mover.close()
+
+
+def test_device_copies_are_one_per_contiguous_range() -> None:
+    """A device copy takes runs of both-consecutive ids, single rows where a side is strided."""
+    src, dst = np.array([7, 3, 4, 5, 8]), np.array([9, 0, 1, 2, 10])
+    assert [(3, 0, 3), (7, 9, 2)] == row_runs(src, dst, False)
+    assert [(7, 9, 1), (3, 0, 1), (4, 1, 1), (5, 2, 1), (8, 10, 1)] == row_runs(src, dst, True)
+
+
+@given(moves(), st.sampled_from(["layer", "block"]))
+def test_the_device_path_copies_equal_an_indexed_copy(move: tuple[int, int, list[int], list[int]],
+                                                      layout: str) -> None:
+    """The CUDA path's copies (one per contiguous range), run here on CPU tensors, store
+    exactly ``host[d[i]] = dev[s[i]]`` in both layouts."""
+    num_src, num_dst, src_ids, dst_ids = move
+    dev = cache(num_src, [(4, 2), (3,)], seed=12)
+    host = HostBlockPool.like(dev, num_dst, layout=layout)
+    for t in host.tensors:
+        t.zero_()
+    mover = BlockMover.create(dev, host)
+    want = [expected_after(h, d, src_ids, dst_ids)
+            for d, h in zip(dev.values(), host.tensors, strict=True)]
+    plan = plan_move(np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64))
+    for d, h in zip(mover._device, mover._host, strict=True):
+        copy_rows_cuda(plan, d, h)
+    mover.close()
+    assert all(torch.equal(w, as_bytes(h)) for w, h in zip(want, host.tensors, strict=True))
+
+
+def test_layers_finish_in_order_and_wait_returns_when_all_are_done() -> None:
+    """Each layer's handle is done once its tensors are; layers group tensors by name."""
+    dev = cache(6, [(8,), (8,), (8,)], seed=4)
+    host = HostBlockPool.like(dev, 6)
+    mover = BlockMover.create(dev, host, layers=[["t2"], ["t0", "t1"]])
+    try:
+        handle = mover.store([1, 2], [3, 4])
+        assert 2 == len(handle.layers)
+        assert handle.layers[0].wait(30) and handle.wait(30)
+        assert handle.done() and all(layer.done() for layer in handle.layers)
+        assert all(torch.equal(as_bytes(d)[[1, 2]], as_bytes(h)[[3, 4]]) for d, h in
+                   zip(dev.values(), host.tensors, strict=True))
+    finally:
+        mover.close()
+
+
+def test_moves_run_in_the_order_they_were_made() -> None:
+    """A load queued after a store of the same host block reads what the store wrote."""
+    dev = cache(4, [(1024,)], seed=5)
+    host = HostBlockPool.like(dev, 2)
+    mover = BlockMover.create(dev, host)
+    try:
+        first = as_bytes(dev["t0"])[0]
+        handles = [mover.store([0], [1]), mover.load([1], [3])]
+        assert handles[1].wait(30) and handles[0].done()
+        assert torch.equal(first, as_bytes(dev["t0"])[3])
+    finally:
+        mover.close()
+
+
+def test_bad_moves_raise_typed_errors_and_move_nothing() -> None:
+    """Unknown direction, unequal lengths, repeated destinations, out-of-range or non-integer
+    ids raise before anything is queued; a closed mover refuses moves."""
+    dev = cache(4, [(8,)], seed=6)
+    host = HostBlockPool.like(dev, 3)
+    host.tensors[0].zero_()
+    mover = BlockMover.create(dev, host)
+    bad: list[tuple[type[Exception], str, list[object], list[object]]] = [
+        (InvalidArgumentError, "swap", [0], [0]),
+        (InvalidArgumentError, "store", [0, 1], [0]),
+        (InvalidArgumentError, "store", [0, 1], [2, 2]),
+        (BlockIndexError, "store", [4], [0]),
+        (BlockIndexError, "store", [0], [3]),
+        (BlockIndexError, "load", [-1], [0]),
+        (InvalidTypeError, "load", [0.5], [0]),
+    ]
+    for error, direction, src, dst in bad:
+        with pytest.raises(error):
+            mover.move(direction, src, dst)  # type: ignore[arg-type]
+    mover.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        mover.store([0], [0])
+    assert 0 == int(host.tensors[0].count_nonzero())
+
+
+def test_a_failed_move_raises_from_wait() -> None:
+    """A copy that fails on the worker reports a DeviceError to every waiter."""
+    dev = cache(4, [(8,)], seed=8)
+    host = HostBlockPool.like(dev, 4)
+    mover = BlockMover.create(dev, host)
+    try:
+        mover._host[0].np = None  # a broken host side: the copy itself fails
+        handle = mover.store([0], [0])
+        with pytest.raises(DeviceError, match="moving blocks failed"):
+            handle.wait(30)
+        with pytest.raises(DeviceError):
+            handle.layers[0].done()
+    finally:
+        mover.close()
+
+
+def test_mover_refuses_tensors_that_do_not_match_the_pool() -> None:
+    """Other keys, dtypes or block shapes than the pool's, or bad layers, are refused."""
+    dev = cache(4, [(8,), (8,)], seed=9)
+    host = HostBlockPool.like(dev, 2)
+    with pytest.raises(InvalidArgumentError):
+        BlockMover.create({"t0": dev["t0"], "x": dev["t1"]}, host)
+    with pytest.raises(InvalidTypeError):
+        BlockMover.create({"t0": dev["t0"], "t1": dev["t1"].view(torch.int16)}, host)
+    with pytest.raises(InvalidArgumentError):
+        BlockMover.create({"t0": dev["t0"], "t1": torch.zeros(4, 9, dtype=torch.float16)}, host)
+    with pytest.raises(InvalidArgumentError, match="exactly once"):
+        BlockMover.create(dev, host, layers=[["t0"], ["t0"]])
+    with pytest.raises(InvalidArgumentError, match="not one of"):
+        BlockMover.create(dev, host, layers=[["t0", "t9"]])
+    with pytest.raises(InvalidTypeError):
+        BlockMover.create(dev, "host")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout", ["layer", "block"])
+def test_host_pool_mirrors_the_device_blocks(layout: str) -> None:
+    """One host tensor per cache tensor, same dtype and block shape, regions cover a block."""
+    dev = {"k": torch.zeros(5, 4, 2, dtype=torch.bfloat16),
+           "v": torch.zeros(5, 3, dtype=torch.int8)}
+    host = HostBlockPool.like(dev, 7, layout=layout)
+    assert [(torch.bfloat16, (7, 4, 2)), (torch.int8, (7, 3))] == [
+        (t.dtype, tuple(t.shape)) for t in host.tensors]
+    assert ((16, 3), (0, 16), 19, False) == (host.part_bytes, host.part_offsets,
+                                              host.block_bytes, host.pinned)
+    regions = host.regions(6)
+    assert host.block_bytes == sum(n for _, n in regions)
+    for t, off in zip(host.tensors, host.part_offsets, strict=True):
+        t[6].view(torch.uint8).fill_(off + 1)
+    got = b"".join(ctypes.string_at(addr, n) for addr, n in regions)
+    assert bytes([1] * 16 + [17] * 3) == got
+    assert ["k", "v"] == list(host.tensor_set())
+    with pytest.raises(BlockIndexError):
+        host.regions(7)
+
+
+def test_host_pool_refuses_what_it_cannot_mirror() -> None:
+    """Empty sets, several devices, non-contiguous blocks, bad counts, layouts, alignment."""
+    with pytest.raises(InvalidArgumentError):
+        HostBlockPool.like({}, 2)
+    with pytest.raises(InvalidTypeError):
+        HostBlockPool.like(torch.zeros(2, 2), 2)
+    with pytest.raises(InvalidArgumentError, match="not contiguous"):
+        HostBlockPool.like([torch.zeros(4, 3, 2)[:, :, :1]], 2)
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        HostBlockPool.like([torch.zeros(4, 0)], 2)
+    with pytest.raises(InvalidTypeError):
+        HostBlockPool.like([torch.zeros(4, 2)], 2.0)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        HostBlockPool.like([torch.zeros(4, 2)], -1)
+    with pytest.raises(InvalidArgumentError, match="unknown layout"):
+        HostBlockPool.like([torch.zeros(4, 2)], 2, layout="page")
+    with pytest.raises(InvalidArgumentError, match="element size"):
+        HostBlockPool.like([torch.zeros(4, 3, dtype=torch.int8), torch.zeros(4, 1)], 2,
+                           layout="block")
+
+
+def test_fingerprints_name_the_block_format() -> None:
+    """Equal dtypes and block shapes in order give equal fingerprints, whatever the names,
+    block counts or layout; any difference gives another."""
+    a = HostBlockPool.like({"k": torch.zeros(3, 4), "v": torch.zeros(3, 2)}, 2)
+    same = HostBlockPool.like([torch.zeros(9, 4), torch.zeros(9, 2)], 5, layout="block")
+    other = [HostBlockPool.like([torch.zeros(3, 2), torch.zeros(3, 4)], 2),
+             HostBlockPool.like([torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32)], 2),
+             HostBlockPool.like([torch.zeros(3, 4)], 2)]
+    assert a.fingerprint == same.fingerprint
+    assert a.fingerprint not in {p.fingerprint for p in other}
+
+
+def test_a_mover_dropped_without_close_ends_its_thread() -> None:
+    """Garbage-collecting a mover stops its worker thread once the queued moves are done."""
+    dev = cache(4, [(8,)], seed=10)
+    mover = BlockMover.create(dev, HostBlockPool.like(dev, 2))
+    handle = mover.store([0], [1])
+    assert mover._worker is not None
+    thread = mover._worker._thread
+    del mover
+    gc.collect()
+    thread.join(30)
+    assert not thread.is_alive() and handle.done()
+
+
+def test_mover_refuses_device_blocks_it_cannot_copy_as_bytes() -> None:
+    """Device tensors whose blocks are strided inside or overlap are refused, not misread."""
+    dev = cache(4, [(8,)], seed=11)
+    host = HostBlockPool.like(dev, 2)
+    strided = torch.zeros(4, 16, dtype=torch.float16)[:, ::2]
+    overlapping = torch.zeros(1, 8, dtype=torch.float16).expand(4, 8)
+    for bad in (strided, overlapping):
+        with pytest.raises(InvalidArgumentError, match="contiguous and apart"):
+            BlockMover.create({"t0": bad}, host)
