@@ -26,8 +26,8 @@ programs with and without it and compares every state and delta, and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id, excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
@@ -36,7 +36,8 @@ from kvfunc.core._prefix import PrefixHit
 from kvfunc.core._state import Transient
 from kvfunc.core._step import step
 
-__all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "slot_entry"]
+__all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "run_entry",
+           "slot_entry"]
 
 #: Whether the fold skips the step for entries that the rows' quiet limits call quiet
 #: (the lane).  Tests turn it off to compare the lane with the step on random programs.
@@ -71,12 +72,12 @@ def slot_entry(request_id: Any, computed: Any, new: Any, lookahead: Any = 0, res
     """The cheapest entry equal to these arguments: a plain 3-tuple when the rest are defaults.
 
     >>> slot_entry("a", 0, 5), slot_entry("a", 0, 5, False)
-    (('a', 0, 5), SlotRequest(request_id='a', ..., lookahead_tokens=False, ...))
+    (('a', 0, 5), ('a', 0, 5, False, 0, None, None, None))
     """
     if (type(lookahead) is int and type(reserved) is int and not lookahead and not reserved
             and keys is None and hashes is None and hit is None):
         return (request_id, computed, new)
-    return SlotRequest(request_id, computed, new, lookahead, reserved, keys, hashes, hit)
+    return (request_id, computed, new, lookahead, reserved, keys, hashes, hit)
 
 
 def check_lookahead(value: object) -> int:
@@ -138,14 +139,14 @@ def check_hashes(tr: Transient, hashes: object, with_hit: bool) -> None:
     if type(hashes) is not BlockHashes:
         msg = f"block_hashes must be a BlockHashes, got {excerpt(hashes)}"
         raise InvalidTypeError(msg)
-    if tr.check_size(hashes.block_size):
+    if hashes.block_size in tr.checked:
         return
     for g in tr.views:
         if g.policy.block_size % hashes.block_size:
             msg = (f"group {g.key!r} has block_size {g.policy.block_size}, not a multiple of the "
                    f"hashes' block_size {hashes.block_size}")
             raise InvalidArgumentError(msg)
-    tr.checked_size(hashes.block_size)
+    tr.checked.add(hashes.block_size)
 
 
 def check_hit(tr: Transient, request_id: Any, computed: int, keys: Any, hashes: BlockHashes,
@@ -179,66 +180,61 @@ def check_hit(tr: Transient, request_id: Any, computed: int, keys: Any, hashes: 
             raise InvalidArgumentError(msg)
 
 
-def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] | None = None,
-         lookahead: int = 0) -> Sequence[Any]:
-    """Run the step for every entry in order on ``tr``; the refused request ids (see above).
+def run_entry(tr: Transient, rid: Any, computed: Any, new: Any, la: Any, reserved: Any,
+              keys: Any, hashes: Any, hit: Any, mapping: Mapping[Any, Any] | None) -> bool:
+    """One entry, given as its fields: checked, then the lane or the step; False if refused.
 
-    The common forms are checked inline (the same checks :func:`check_entry`
-    makes); an entry that fails them, or carries a manager-key subset, a
-    reservation or a prefix hit, goes through :func:`check_entry`, which
-    raises the precise error or normalises it.
+    The common form (no reservation, no manager-key subset, no hit) is
+    checked inline, with the same checks :func:`check_entry` makes; anything
+    else goes through :func:`check_entry`, which raises the precise error or
+    normalises it.  ``mapping`` is ``allocate_batch``'s ``block_hashes``.
     """
-    refused: list[Any] | None = None
-    limit = tr.max_model_len
-    mapping = block_hashes if tr.caching else None
-    lane = LANE
-    epoch, gets = -1, cast(list[Callable[[Any], Any]], [])
-    for e in entries:
-        te = type(e)
-        if te is tuple and len(e) == 3:
-            rid, computed, new = e
-            la, hashes = lookahead, None
-            t = type(rid)
-            if ((t is not int and t is not str) or type(computed) is not int
-                    or type(new) is not int or (computed | new) < 0 or new + la < 0):
-                rid = None  # the general path raises the precise error
-        elif te is SlotRequest or (te is tuple and len(e) == 8):
-            rid, computed, new, la, reserved, keys, hashes, hit = e
-            t = type(rid)
-            if ((t is not int and t is not str) or type(computed) is not int
-                    or type(new) is not int or (computed | new) < 0 or type(la) is not int
-                    or new + la < 0 or type(reserved) is not int or reserved
-                    or keys is not None or hit is not None):
-                rid = None
-        else:
-            rid = None
-        if rid is None:
-            rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
-                tr, e, lookahead, mapping)
-            if not step(tr, rid, computed, written, total, reserved, keys, hashes, hit):
-                refused = refused or []
-                refused.append(rid)
-            continue
-        if mapping is not None and hashes is None:
+    t = type(rid)
+    if ((t is int or t is str) and type(computed) is int and type(new) is int
+            and (computed | new) >= 0 and type(la) is int and new + la >= 0
+            and reserved == 0 and type(reserved) is int and keys is None and hit is None):
+        if hashes is None and mapping is not None:
             hashes = mapping.get(rid)
         if hashes is not None and (type(hashes) is not BlockHashes
                                    or hashes.block_size not in tr.checked):
             check_hashes(tr, hashes, False)
         written = computed + new
         total = written + la
+        limit = tr.max_model_len
         if total > limit or written > limit:
             computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
-        if lane:  # quiet in every group: the rows' limits say so (see ``_rows``)
-            if tr.epoch != epoch:
-                epoch, gets = tr.epoch, [v.rows.get for v in tr.views]
-            for get in gets:
-                row = get(rid)
+        if LANE:  # quiet in every group: the rows' limits say so (see ``_rows``)
+            for view in tr.views:
+                row = view.rows.get(rid)
                 if (row is None or total > row[5] or computed >= row[6] or written >= row[7]
                         or computed < row[8]):
                     break
             else:
-                continue
-        if not step(tr, rid, computed, written, total, 0, None, hashes, None):
+                return True
+        return step(tr, rid, computed, written, total, 0, None, hashes, None)
+    rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
+        tr, (rid, computed, new, la, reserved, keys, hashes, hit), la, mapping)
+    return step(tr, rid, computed, written, total, reserved, keys, hashes, hit)
+
+
+def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] | None = None,
+         lookahead: int = 0) -> Sequence[Any]:
+    """Run :func:`run_entry` for every entry in order on ``tr``; the refused request ids."""
+    refused: list[Any] | None = None
+    mapping = block_hashes if tr.caching else None
+    for e in entries:
+        te = type(e)
+        if te is tuple and len(e) == 3:
+            rid, computed, new = e
+            ok = run_entry(tr, rid, computed, new, lookahead, 0, None, None, None, mapping)
+        elif te is SlotRequest or (te is tuple and len(e) == 8):
+            rid = e[0]
+            ok = run_entry(tr, *e, mapping)
+        else:
+            rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
+                tr, e, lookahead, mapping)
+            ok = step(tr, rid, computed, written, total, reserved, keys, hashes, hit)
+        if not ok:
             refused = refused or []
             refused.append(rid)
     return refused or ()

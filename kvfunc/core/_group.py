@@ -273,20 +273,26 @@ class GroupCopy:
         pool, bs, nulls, tag = self.pool, self.block_size, row.nulls, self.tag
         pool.writing()
         m = bs // hashes.block_size
-        digests, tokens, hash_of = hashes._digests, hashes._tokens, pool.hash_of
-        blocks, sink, key = row.blocks, self.sink, self.key
-        for q in range(p, upto):
-            b = blocks[q - nulls]
-            if hash_of[b] is not None:
-                continue  # shared: cached already
-            h = digests[(q + 1) * m - 1]
-            pool.store(b, h if tag is None else h + tag)
-            if sink is not None:
-                sink.rows.append((key, request_id, q, b, h, digests[q * m - 1] if q else None,
-                                    tuple(tokens[q * bs:(q + 1) * bs])))
-                sink.codes.append("T")
-        return make_row(blocks, nulls, upto, row.shared if row.shared > upto else upto,
-                          row.seq)
+        digests, hash_of = hashes._digests, pool.hash_of
+        positions = range(p, upto)
+        run = row.blocks[p - nulls:upto - nulls]
+        hs = digests[p:upto] if m == 1 else digests[(p + 1) * m - 1:upto * m:m]
+        if any(hash_of[b] is not None for b in run):  # shared blocks, cached already
+            keep = [i for i, b in enumerate(run) if hash_of[b] is None]
+            positions = [positions[i] for i in keep]  # type: ignore[assignment]
+            run, hs = tuple(run[i] for i in keep), [hs[i] for i in keep]
+        pool.store_run(run, hs if tag is None else [h + tag for h in hs])
+        sink = self.sink
+        if sink is not None and run:
+            key, first = self.key, positions[0]
+            toks = tuple(hashes._tokens[first * bs:(positions[-1] + 1) * bs])
+            sink.rows.extend([
+                (key, request_id, q, b, h, digests[q * m - 1] if q else None,
+                 toks[(q - first) * bs:(q - first + 1) * bs])
+                for q, b, h in zip(positions, run, hs, strict=True)])
+            sink.codes.append("T" * len(run))
+        return make_row(row.blocks, nulls, upto, row.shared if row.shared > upto else upto,
+                        row.seq)
 
     def save_state(self, request_id: Any, row: Row, index: int, hashes: Any) -> None:
         """Copy the request's state into a free block cached under hash ``index`` (once)."""

@@ -211,9 +211,8 @@ class PoolCopy:
                 refs[b] = 1
             if self.num_cached:
                 hash_of = self.hash_of
-                for b in out:
-                    if hash_of[b] is not None:
-                        self._evict(b)
+                for b in [b for b in out if hash_of[b] is not None]:
+                    self._evict(b)
         return out
 
     def free(self, ids: Sequence[int], key: str) -> None:
@@ -249,13 +248,11 @@ class PoolCopy:
         if not self.writable:
             self.writing()
         refs = self.refs
-        freed = []
-        for b in ids:
-            r = refs[b] - 1
+        left = [refs[b] - 1 for b in ids]
+        for b, r in zip(ids, left, strict=True):
             refs[b] = r
-            if not r:
-                freed.append(b)
-        self.free(freed, key)
+        self.free([b for b, r in zip(ids, left, strict=True) if not r] if any(left) else ids,
+                  key)
 
     def share(self, b: int) -> None:
         """Add a holder to block ``b``; a free block (a cached one) leaves the queue."""
@@ -309,13 +306,24 @@ class PoolCopy:
 
     def store(self, b: int, key: bytes) -> None:
         """Cache block ``b`` under ``key`` (it holds nothing cached; no delta row here)."""
+        self.store_run((b,), (key,))
+
+    def store_run(self, blocks: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Cache each block under its key (none of them holds anything cached)."""
         if not self.writable:
             self.writing()
-        index = self.index
-        found = index.get(key)
-        index[key] = b if found is None else (found, b) if type(found) is int else (*found, b)
-        self.hash_of[b] = key
-        self.num_cached += 1
+        index, hash_of = self.index, self.hash_of
+        if len(keys) > 1 and not any(map(index.__contains__, keys)):
+            index.update(zip(keys, blocks))  # no key cached yet: one call
+        else:
+            get = index.get
+            for b, key in zip(blocks, keys, strict=True):
+                found = get(key)
+                index[key] = (b if found is None else (found, b) if type(found) is int
+                              else (*found, b))
+        for b, key in zip(blocks, keys, strict=True):
+            hash_of[b] = key
+        self.num_cached += len(blocks)
 
     def _evict(self, b: int) -> None:
         """Forget what block ``b`` caches; records the E row under its member group's key."""

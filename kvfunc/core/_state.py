@@ -110,9 +110,14 @@ class KVState:
     groups: tuple[GroupState, ...]
     #: registrations so far: a new row's ``seq`` (listing order), not part of equality
     seq: int = 0
-    #: ``(pool index per group, caching)``: the shape a working copy reads, derived once per
-    #: lineage (every state of a lineage has its first state's pools and groups)
+    #: ``(pool index per group, caching, hash block sizes known to fit every group)``: what
+    #: a working copy reads, derived once per lineage (its states share pools' and groups'
+    #: sizes); the set only ever learns a fact about those sizes
     _shape: Any = attrs.field(init=False, default=None, eq=False, repr=False)
+    #: the working copy the transition that made this state left behind, while this state
+    #: is the newest of its lineage: the next transition on it goes on with it (a one-item
+    #: list: ``pop`` takes it atomically, so two transitions never share it)
+    _cont: Any = attrs.field(init=False, default=None, eq=False, repr=False)
 
     @classmethod
     def create(cls, groups: Mapping[str, Policy], max_model_len: int, *,
@@ -223,6 +228,10 @@ class KVState:
                     seen[rid] = row.seq
         return tuple(sorted(seen, key=seen.__getitem__))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the value's fields only: the derived shape and the working copy are not copied
+        return (KVState, (self.max_model_len, self.pools, self.groups, self.seq))
+
     def identity(self) -> tuple[Any, ...]:
         """What equality compares."""
         return (self.max_model_len, tuple(p.identity() for p in self.pools),
@@ -294,12 +303,13 @@ class Transient:
 
     ``views[i]`` is what group ``i`` reads from and ``pools[j]`` what pool
     ``j`` reads from: the published value until :meth:`copy` / :meth:`pool`
-    makes its working copy.  Nothing is copied before the first write, so a
-    transition that changes nothing costs a few attribute reads.
+    makes its working copy.  Nothing is copied before the first write, and a
+    transition only freezes the groups it wrote to (``touched``), so one that
+    changes nothing costs a few attribute reads.
     """
 
     __slots__ = ("caching", "checked", "copies", "epoch", "group_pool", "max_model_len",
-                 "pool_copies", "pools", "seq", "sink", "src", "views")
+                 "pool_copies", "pools", "seq", "sink", "src", "touched", "views")
 
     def __init__(self, state: KVState, sink: DeltaBuilder | None = None) -> None:
         self.src = state
@@ -308,18 +318,46 @@ class Transient:
         self.seq = state.seq
         shape = state._shape
         if shape is None:
-            shape = (tuple(g.pool for g in state.groups), state.prefix_caching)
+            shape = (tuple(g.pool for g in state.groups), state.prefix_caching, set())
             _set(state, "_shape", shape)
-        self.group_pool, self.caching = shape
+        self.group_pool, self.caching, self.checked = shape
         self.views: Any = state.groups
         self.pools: Any = state.pools
         self.copies: list[GroupCopy | None] | None = None
         self.pool_copies: list[PoolCopy | None] | None = None
-        self.checked: set[int] = _NO_SIZES  # hash block sizes checked against the groups
+        self.touched: list[int] = []  # the groups this transition wrote to, in order
         self.epoch = 0  # counts the working copies made (what ``views`` reads from changed)
 
+    @classmethod
+    def open(cls, state: KVState, sink: DeltaBuilder) -> Transient:
+        """A working copy of ``state`` for one transition recording into ``sink``.
+
+        When ``state`` is the one the last transition of its lineage made, that
+        transition's working copy goes on: its copies already read exactly
+        ``state``, so nothing is copied again.
+        """
+        cont = state._cont
+        if cont:
+            try:
+                tr: Transient = cont.pop()
+            except IndexError:  # another transition took it first
+                return cls(state, sink)
+            tr.sink = sink  # parked by :meth:`settle`: it reads exactly ``state``
+            return tr
+        return cls(state, sink)
+
+    def settle(self) -> KVState:
+        """:meth:`freeze`, and leave this working copy with the new state for the next one."""
+        state = self.freeze()
+        cont = state._cont
+        if cont is None:
+            _set(state, "_cont", [self])
+        else:  # two transitions that changed nothing may both park here: either will do
+            cont.append(self)
+        return state
+
     def copy(self, i: int) -> GroupCopy:
-        """The working copy of group ``i`` (made on first use, with its pool's)."""
+        """The working copy of group ``i``, to write to (made on first use, with its pool's)."""
         copies = self.copies
         if copies is None:
             copies = self.copies = [None] * len(self.views)
@@ -328,11 +366,16 @@ class Transient:
         if g is None:
             g = copies[i] = self.views[i] = GroupCopy(self.views[i], self.pool(self.group_pool[i]),
                                                       self.sink)
+            g.pool.sink = self.sink  # a pool another group copied earlier records here too
             self.epoch += 1
+            self.touched.append(i)
+        elif i not in self.touched:  # first write of this transition: record into its delta
+            g.sink = g.pool.sink = self.sink
+            self.touched.append(i)
         return g
 
     def pool(self, j: int) -> PoolCopy:
-        """The working copy of pool ``j`` (made on first use)."""
+        """The working copy of pool ``j`` (made on first use; written through a group's)."""
         copies = self.pool_copies
         if copies is None:
             copies = self.pool_copies = [None] * len(self.pools)
@@ -348,16 +391,6 @@ class Transient:
         count: int = pool.queue.count
         return count
 
-    def check_size(self, block_size: int) -> bool:
-        """Whether hashes of ``block_size`` were checked against every group already."""
-        return block_size in self.checked
-
-    def checked_size(self, block_size: int) -> None:
-        """Remember that hashes of ``block_size`` fit every group."""
-        if self.checked is _NO_SIZES:
-            self.checked = set()
-        self.checked.add(block_size)
-
     def all_copies(self) -> list[GroupCopy]:
         """Every group's working copy."""
         return [self.copy(i) for i in range(len(self.views))]
@@ -372,20 +405,21 @@ class Transient:
 
     def freeze(self) -> KVState:
         """The current state as a value (the input state when nothing changed)."""
+        touched = self.touched
         src = self.src
-        if self.pool_copies is None and self.copies is None:
+        if not touched:
             return src
-        changed = False
-        pools = list(src.pools)
-        for j, pc in enumerate(self.pool_copies or ()):
-            if pc is not None:
-                pools[j] = pc.freeze()
-                changed = changed or pools[j] is not src.pools[j]
+        self.touched = []
+        copies, pool_copies, group_pool = self.copies, self.pool_copies, self.group_pool
+        assert copies is not None and pool_copies is not None
         groups = list(src.groups)
-        for i, gc in enumerate(self.copies or ()):
-            if gc is not None:
-                groups[i] = gc.freeze(self.group_pool[i])
-                changed = changed or groups[i] is not src.groups[i]
+        pools = list(src.pools)
+        changed = False
+        for i in touched:
+            g = groups[i] = copies[i].freeze(group_pool[i])  # type: ignore[union-attr]
+            j = group_pool[i]
+            p = pools[j] = pool_copies[j].freeze()  # type: ignore[union-attr]
+            changed = changed or g is not src.groups[i] or p is not src.pools[j]
         if not changed:
             return src
         state = object.__new__(KVState)
@@ -394,11 +428,9 @@ class Transient:
         _set(state, "groups", tuple(groups))
         _set(state, "seq", self.seq)
         _set(state, "_shape", src._shape)
+        _set(state, "_cont", None)
         self.src = state
         return state
-
-
-_NO_SIZES: set[int] = set()  # shared, never written: a transient's first check makes its own
 
 
 def check_state(value: object, what: str = "state") -> KVState:

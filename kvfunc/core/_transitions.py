@@ -10,14 +10,12 @@ untouched (the transient is discarded).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
-
-import attrs
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id
 from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidTypeError
-from kvfunc.core._fold import check_lookahead, fold, slot_entry
+from kvfunc.core._fold import check_lookahead, fold, run_entry
 from kvfunc.core._policy import slid_out
 from kvfunc.core._rows import row_table
 from kvfunc.core._state import (
@@ -41,8 +39,7 @@ __all__ = [
 ]
 
 
-@attrs.frozen(slots=True)
-class AllocationResult:
+class AllocationResult(NamedTuple):
     """Outcome of :func:`allocate_slots`; when refused, ``state`` is the input."""
 
     ok: bool
@@ -50,8 +47,7 @@ class AllocationResult:
     delta: BlocksChanged
 
 
-@attrs.frozen(slots=True)
-class BatchResult:
+class BatchResult(NamedTuple):
     """Outcome of :func:`allocate_batch`: one state and one delta for the step."""
 
     state: KVState
@@ -88,14 +84,20 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
     >>> refused.ok, refused.state is r.state
     (False, True)
     """
-    check_state(state)
-    entry = slot_entry(request_id, computed_tokens, num_new_tokens, lookahead_tokens,
-                       reserved_tokens, manager_keys, block_hashes, prefix_hit)
+    if type(state) is not KVState:
+        check_state(state)
     sink = DeltaBuilder()
-    tr = Transient(state, sink)
-    if fold(tr, (entry,)):
-        return AllocationResult(False, state, EMPTY_DELTA)
-    return AllocationResult(True, tr.freeze(), sink.build())
+    tr = Transient.open(state, sink)
+    if not run_entry(tr, request_id, computed_tokens, num_new_tokens, lookahead_tokens,
+                     reserved_tokens, manager_keys, block_hashes, prefix_hit, None):
+        same = tr.settle()  # a refusal changed nothing: the working copy still reads ``state``
+        assert same is state, "a refused allocation changed the state"
+        return _new(AllocationResult, (False, state, EMPTY_DELTA))
+    new = tr.settle()
+    return _new(AllocationResult, (True, new, sink.build() if new is not state else EMPTY_DELTA))
+
+
+_new = tuple.__new__
 
 
 def allocate_batch(state: KVState, requests: Iterable[Any], *, lookahead_tokens: int = 0,
@@ -131,9 +133,9 @@ def allocate_batch(state: KVState, requests: Iterable[Any], *, lookahead_tokens:
         msg = f"requests must be an iterable of step entries, got {type(requests).__name__}"
         raise InvalidTypeError(msg)
     sink = DeltaBuilder()
-    tr = Transient(state, sink)
+    tr = Transient.open(state, sink)
     refused = fold(tr, requests, block_hashes, lookahead_tokens)
-    return BatchResult(tr.freeze(), sink.build(), tuple(refused))
+    return BatchResult(tr.settle(), sink.build(), tuple(refused))
 
 
 def free_into(tr: Transient, request_id: RequestId, keys: frozenset[str] | None) -> None:
@@ -173,9 +175,9 @@ def free_request(state: KVState, request_id: RequestId, *,
     check_request_id(request_id)
     keys = check_manager_keys(manager_keys)
     sink = DeltaBuilder()
-    tr = Transient(state, sink)
+    tr = Transient.open(state, sink)
     free_into(tr, request_id, keys)
-    return tr.freeze(), sink.build()
+    return tr.settle(), sink.build()
 
 
 def recycle_into(tr: Transient, request_id: RequestId, computed: int,
