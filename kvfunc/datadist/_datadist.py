@@ -156,7 +156,7 @@ class LLMDataDist:
 
             if session is None:
                 raise LinkFailedError("the peer announced no Mooncake session")
-            return MooncakeEndpoint(self._engine, session)
+            return MooncakeEndpoint(self._engine, session, link.channel)
         if self.transport == "tcp":
             return TcpEndpoint(link.channel)
         try:
