@@ -25,9 +25,9 @@ order, so it never cuts a slice; the price is one copy of the bytes.
 its crossover section): each Mooncake slice over TCP costs a fixed time on
 top of its bytes (about 25-45 us on the 2-core machine), and a copy of a
 row costs its bytes at memory speed.  A side whose runs of consecutive
-rows average fewer than ``STAGE_BELOW`` bytes is staged, if it has more
-than one run; contiguous runs of at least that size move in place, with
-no copy.  Each side decides alone, from its own rows.
+rows average fewer than ``STAGE_BELOW`` bytes is staged, if it would take
+more than one slice; contiguous runs of at least that size move in place,
+with no copy.  Each side decides alone, from its own rows.
 
 **Chunks** (:func:`chunks_of`): each layer's stream is cut into chunks of
 ``chunk_rows`` elements, the unit in which a staged sender reports its
@@ -71,17 +71,18 @@ def row_runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def stages(rows: Sequence[int], row_bytes: int) -> bool:
-    """Whether a side holding ``rows`` (of ``row_bytes`` each) is staged: more than one
-    run, and the runs average under ``STAGE_BELOW`` bytes.
+def stages(rows: Sequence[int], row_bytes: int, num_tensors: int = 1) -> bool:
+    """Whether a side holding ``rows`` (of ``row_bytes`` each) of ``num_tensors`` tensors
+    is staged: more than one slice in place (runs times tensors), and the runs average
+    under ``STAGE_BELOW`` bytes.
 
-    >>> stages(list(range(256)), 16 << 10), stages([4, 9, 2], 16 << 10)
+    >>> stages(list(range(256)), 16 << 10, 16), stages([4, 9, 2], 16 << 10)
     (False, True)
-    >>> stages([4], 16), stages([0, 1, 4, 5], 1 << 20)
-    (False, False)
+    >>> stages([4], 16), stages([4], 16, num_tensors=2), stages([0, 1, 4, 5], 1 << 20)
+    (False, True, False)
     """
     runs = len(row_runs(rows))
-    return runs > 1 and len(rows) * row_bytes < STAGE_BELOW * runs
+    return runs * num_tensors > 1 and len(rows) * row_bytes < STAGE_BELOW * runs
 
 
 def run_starts(n: int, *rows: Sequence[int] | None) -> list[int]:

@@ -153,7 +153,7 @@ def test_a_staged_push_and_layerwise_push_land_in_the_decoder(
 def test_a_full_arena_reads_in_place(decoder: dd.LLMDataDist, big: dd.BlocksCacheKey) -> None:
     """A decoder whose staging arena cannot hold the region reads the scattered blocks in
     place (one slice per block): they land exactly and nothing is staged there."""
-    from kvfunc.datadist._mooncake import Staging
+    from kvfunc.datadist._mooncake_engine import Staging
 
     engine = decoder._engine
     engine.staging = Staging(engine.engine, size=1 << 16)  # smaller than the 512 KiB needed

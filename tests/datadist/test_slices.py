@@ -89,15 +89,18 @@ def test_adjacent_runs_merge_across_tensors_into_one_slice() -> None:
     assert [(0, 100, 80)] == chunk_slices(chunk, 10, 4, [0], local, remote)
 
 
-@pytest.mark.parametrize(("rows", "row_bytes", "staged"), [
-    ([3, 9, 5, 1], 16 << 10, True),  # scattered 16 KiB blocks: slices cost more than a copy
-    (list(range(16)) + list(range(40, 56)), 16 << 10, False),  # runs of 256 KiB: in place
-    ([7], 1 << 10, False),  # one run never gains from a copy
-    ([1, 5], 1 << 20, False),  # rows of 1 MiB: a slice each costs less than copying it
+@pytest.mark.parametrize(("rows", "row_bytes", "tensors", "staged"), [
+    ([3, 9, 5, 1], 16 << 10, 1, True),  # scattered 16 KiB blocks: slices cost more than a copy
+    (list(range(16)) + list(range(40, 56)), 16 << 10, 16, False),  # runs of 256 KiB
+    ([7], 1 << 10, 1, False),  # one slice never gains from a copy
+    ([7], 1 << 10, 4, True),  # one small row of each of 4 tensors: 4 slices
+    ([1, 5], 1 << 20, 8, False),  # rows of 1 MiB: a slice each costs less than copying it
 ])
-def test_the_rule_stages_short_runs_only(rows: list[int], row_bytes: int,
+def test_the_rule_stages_short_runs_only(rows: list[int], row_bytes: int, tensors: int,
                                          staged: bool) -> None:
-    """A side is staged iff it has several runs averaging under STAGE_BELOW bytes."""
-    assert staged == stages(rows, row_bytes)
-    assert staged == (len(rows) * row_bytes / len(_slices.row_runs(rows)) <
-                      _slices.STAGE_BELOW and len(_slices.row_runs(rows)) > 1)
+    """A side is staged iff it takes several slices whose runs average under STAGE_BELOW
+    bytes."""
+    runs = len(_slices.row_runs(rows))
+    assert staged == stages(rows, row_bytes, tensors)
+    assert staged == (len(rows) * row_bytes / runs < _slices.STAGE_BELOW and
+                      runs * tensors > 1)
