@@ -211,8 +211,13 @@ class Server:
             worker = self._idle.pop() if self._idle else _Worker(self)
             worker.job = (owner, job)
             if worker not in self._workers:
+                try:
+                    worker.thread.start()
+                except RuntimeError as exc:  # no thread to be had: this request fails
+                    self._queue.done(owner)
+                    job[0].set_exception(exc)
+                    return
                 self._workers.add(worker)
-                worker.thread.start()
             worker.wake.set()
 
     def _finished(self, worker: _Worker, owner: Hashable) -> None:

@@ -23,7 +23,7 @@ order, so it never cuts a slice; the price is one copy of the bytes.
 
 **The rule** (:func:`stages`, measured by ``benchmarks/bench_datadist.py``,
 its crossover section): each Mooncake slice over TCP costs a fixed time on
-top of its bytes (about 25-45 us on the 2-core machine), and a copy of a
+top of its bytes (about 20-25 us on the 2-core machine), and a copy of a
 row costs its bytes at memory speed.  A side whose runs of consecutive
 rows average fewer than ``STAGE_BELOW`` bytes is staged, if it would take
 more than one slice; contiguous runs of at least that size move in place,
@@ -46,9 +46,10 @@ from typing import NamedTuple
 __all__ = ["CHUNK_BYTES", "STAGE_BELOW", "Chunk", "Side", "chunk_rows_for", "chunk_slices",
            "chunks_of", "coalesce", "row_runs", "run_starts", "stages"]
 
-# See the module docstring and benchmarks/README.md (the crossover): below this average
-# run length a side's rows are staged.
-STAGE_BELOW = 256 << 10
+# Below this average run length a side's rows are staged.  Measured (bench_datadist.py, the
+# crossover; 2-core machine, 64 MiB pulls of 16 KiB blocks): staged beats in place for runs
+# of 16-64 KiB, in place wins from 256 KiB on, 128 KiB is where they meet.
+STAGE_BELOW = 128 << 10
 # A staged transfer moves in chunks of about this size: fewer chunks cost fewer messages,
 # smaller ones overlap the gather, the wire and the scatter sooner.
 CHUNK_BYTES = 8 << 20
