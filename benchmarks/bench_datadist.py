@@ -22,7 +22,9 @@ machine's noise):
   time <= ``raw tcp`` + ``copy``, where ``copy`` is a 64 MiB
   ``index_select`` of the same rows timed here in the same round.
 * ``mooncake raw write``: one 64 MiB region written by the decoder's
-  Mooncake engine into the prompt side's registered memory.
+  Mooncake engine into the prompt side's registered memory (the engine's
+  synchronous call); ``mooncake raw write polled``: the same submitted and
+  polled as the pull's reads are (shown for reference).
 * ``mooncake pull``: ``pull_blocks`` of the 256 scattered blocks over
   Mooncake (both sides stage them).  Target: >= 0.85 of ``mooncake raw
   write``'s throughput.
@@ -63,6 +65,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 import kvfunc.datadist as dd
 from kvfunc.datadist import _slices
+from kvfunc.datadist._mooncake_engine import POLL_S
 
 sys.path.insert(0, str(Path(__file__).parent))  # the sections' modules, run or imported
 import datadist_crossover
@@ -323,12 +326,20 @@ class Decoder:
         torch.index_select(self.copy_src, 0, self.copy_rows, out=self.copy_out)
         return time.perf_counter() - start
 
-    def time_mooncake_raw(self) -> float:
+    def time_mooncake_raw(self, polled: bool = False) -> float:
+        """One 64 MiB write of one region: the engine's synchronous call (it spins a core
+        while it waits), or submitted and polled every POLL_S as the pull's reads are."""
         engine = self.clusters["mooncake"]._engine.engine
         session, remote = self.hello["mooncake"]
         local = self.dst["mooncake"].tensors[0].data_ptr()
         start = time.perf_counter()
-        status = engine.batch_transfer_sync_write(session, [local], [remote], [self.nbytes])
+        if polled:
+            batch = engine.batch_transfer_async_write(session, [local], [remote], [self.nbytes])
+            while (status := engine.transfer_check_status(batch)) in (0, -2):
+                time.sleep(POLL_S)
+            status = 0 if status == 1 else status
+        else:
+            status = engine.batch_transfer_sync_write(session, [local], [remote], [self.nbytes])
         seconds = time.perf_counter() - start
         assert 0 == status, status
         return seconds
@@ -342,6 +353,7 @@ class Decoder:
             "copy": lambda r: self.time_copy()}
         if "mooncake" in self.clusters:
             out["mooncake raw write"] = lambda r: self.time_mooncake_raw()
+            out["mooncake raw write polled"] = lambda r: self.time_mooncake_raw(polled=True)
             out["mooncake pull"] = lambda r: self.time_staged("mooncake pull", self.scattered)
             out["mooncake pull contiguous"] = lambda r: self.time_staged(
                 "mooncake pull contiguous", self.contig)
@@ -406,6 +418,8 @@ class Decoder:
         if "mooncake" in self.clusters:
             ratio("ratio mooncake pull/raw write throughput", "mooncake raw write",
                   "mooncake pull", "target >= 0.85")
+            ratio("ratio mooncake pull/raw write polled throughput",
+                  "mooncake raw write polled", "mooncake pull", "shown")
             ratio("ratio mooncake contiguous/raw write throughput", "mooncake raw write",
                   "mooncake pull contiguous", "shown")
             self.report_staging()

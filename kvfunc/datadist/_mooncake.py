@@ -114,8 +114,7 @@ class _Outgoing(Outgoing):
 
     def _gather(self, chunk: Chunk) -> None:
         n = len(self.rows)
-        for p in range(chunk.start // n, (chunk.stop - 1) // n + 1):
-            j0, j1 = max(chunk.start - p * n, 0), min(chunk.stop - p * n, n)
+        for p, j0, j1 in _slices.spans(chunk, n):
             src = self.tensors[self.order[p]]
             torch.index_select(src.view(src.shape[0], -1).view(torch.uint8), 0,
                                self.index[j0:j1], out=self.staged[p * n + j0:p * n + j1])
@@ -214,8 +213,7 @@ class _Incoming(Incoming):
         if self.region is None:
             return
         n = len(self.rows)
-        for p in range(chunk.start // n, (chunk.stop - 1) // n + 1):
-            j0, j1 = max(chunk.start - p * n, 0), min(chunk.stop - p * n, n)
+        for p, j0, j1 in _slices.spans(chunk, n):
             rows_as_bytes(self.tensors[self.order[p]])[self.index[j0:j1]] = \
                 self.staged[p * n + j0:p * n + j1]
 

@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-__all__ = ["CHUNK_BYTES", "STAGE_BELOW", "Chunk", "Side", "chunk_rows_for", "chunk_slices",
-           "chunks_of", "coalesce", "row_runs", "run_starts", "stages"]
+__all__ = ["CHUNK_BYTES", "RAMP", "STAGE_BELOW", "Chunk", "Side", "chunk_rows_for", "chunk_sizes",
+           "chunk_slices", "chunks_of", "coalesce", "row_runs", "run_starts", "spans", "stages"]
 
 # Below this average run length a side's rows are staged.  Measured (bench_datadist.py, the
 # crossover; 2-core machine, 64 MiB pulls of 16 KiB blocks): staged beats in place for runs
@@ -53,6 +53,7 @@ STAGE_BELOW = 128 << 10
 # A staged transfer moves in chunks of about this size: fewer chunks cost fewer messages,
 # smaller ones overlap the gather, the wire and the scatter sooner.
 CHUNK_BYTES = 8 << 20
+RAMP = 3  # chunks at each end of a layer that are smaller: 1/8, 1/4, 1/2 of a chunk
 
 Slice = tuple[int, int, int]  # (local address, remote address, length in bytes)
 
@@ -110,6 +111,17 @@ class Chunk(NamedTuple):
     stop: int
 
 
+def spans(chunk: Chunk, n: int) -> Iterator[tuple[int, int, int]]:
+    """``(p, j0, j1)``: the rows ``j0 .. j1 - 1`` of the ``p``-th tensor sent that
+    ``chunk`` covers (``n`` rows per tensor), tensor after tensor.
+
+    >>> list(spans(Chunk(0, 0, 2, 7), 3))
+    [(0, 2, 3), (1, 0, 3), (2, 0, 1)]
+    """
+    for p in range(chunk.start // n, (chunk.stop - 1) // n + 1):
+        yield p, max(chunk.start - p * n, 0), min(chunk.stop - p * n, n)
+
+
 def chunk_rows_for(row_bytes: int) -> int:
     """How many elements a chunk of about ``CHUNK_BYTES`` holds (at least one).
 
@@ -119,20 +131,40 @@ def chunk_rows_for(row_bytes: int) -> int:
     return max(1, CHUNK_BYTES // max(row_bytes, 1))
 
 
-def chunks_of(layers: Sequence[Sequence[int]], n: int, chunk_rows: int) -> list[Chunk]:
-    """Each layer's elements (``n`` per tensor) cut into chunks of ``chunk_rows``.
+def chunk_sizes(count: int, chunk_rows: int) -> list[int]:
+    """``count`` elements cut into chunks of ``chunk_rows``, the first and last
+    ``RAMP`` chunks smaller (an eighth, a quarter, a half of it) so that the first read
+    starts and the last scatter ends sooner.
 
-    >>> chunks_of([[0, 1], [2]], 3, 4)  # doctest: +NORMALIZE_WHITESPACE
-    [Chunk(number=0, layer=0, start=0, stop=4), Chunk(number=1, layer=0, start=4, stop=6),
-     Chunk(number=2, layer=1, start=6, stop=9)]
+    >>> chunk_sizes(100, 16)
+    [2, 4, 8, 16, 16, 16, 16, 8, 8, 4, 2]
+    >>> chunk_sizes(5, 16), chunk_sizes(3, 1)
+    ([2, 1, 2], [1, 1, 1])
+    """
+    head: list[int] = []
+    tail: list[int] = []
+    left = count
+    for size in [max(1, chunk_rows >> k) for k in range(RAMP, 0, -1)]:
+        for side in (head, tail):
+            if left:
+                side.append(min(size, left))
+                left -= side[-1]
+    middle = [min(chunk_rows, left - i) for i in range(0, left, chunk_rows)]
+    return head + middle + tail[::-1]
+
+
+def chunks_of(layers: Sequence[Sequence[int]], n: int, chunk_rows: int) -> list[Chunk]:
+    """Each layer's elements (``n`` per tensor) cut into chunks (:func:`chunk_sizes`).
+
+    >>> [(c.layer, c.start, c.stop) for c in chunks_of([[0, 1], [2]], 3, 8)]
+    [(0, 0, 1), (0, 1, 3), (0, 3, 5), (0, 5, 6), (1, 6, 7), (1, 7, 8), (1, 8, 9)]
     """
     out: list[Chunk] = []
     first = 0
     for number, layer in enumerate(layers):
-        end = first + len(layer) * n
-        for start in range(first, end, chunk_rows):
-            out.append(Chunk(len(out), number, start, min(start + chunk_rows, end)))
-        first = end
+        for size in chunk_sizes(len(layer) * n, chunk_rows):
+            out.append(Chunk(len(out), number, first, first + size))
+            first += size
     return out
 
 
@@ -181,8 +213,7 @@ def chunk_slices(chunk: Chunk, n: int, row_bytes: int, starts: Sequence[int], lo
     [(0, 1000, 60)]
     """
     out: list[Slice] = []
-    for p in range(chunk.start // n, (chunk.stop - 1) // n + 1):
-        j0, j1 = max(chunk.start - p * n, 0), min(chunk.stop - p * n, n)
+    for p, j0, j1 in spans(chunk, n):
         cuts = starts[bisect.bisect_right(starts, j0):bisect.bisect_left(starts, j1)]
         for a, b in itertools.pairwise([j0, *cuts, j1]):
             out.append((local.addr(p, a, n, row_bytes), remote.addr(p, a, n, row_bytes),
