@@ -21,10 +21,11 @@ the link's control messages and, on the ``tcp`` transport, its data.  Each
 side owns a :class:`Link`: its requests (a pull to serve, a push to
 receive) go to the cluster's :class:`~kvfunc.datadist._serving.Server`,
 which shares its threads fairly between links (a slot of its own per
-link, the rest round robin); at most ``MAX_REQUESTS`` of a link are queued
-or served at a time, more break that link; a request's later messages are replies at keys of its own
-(``x/<tid>/...``), so transfers on one link run side by side; each side
-numbers its transfers in its own half of the tag space (:class:`TransferIds`).
+link, the rest round robin); at most ``MAX_REQUESTS`` of a link are
+queued or served at a time, more break that link.  A request's later
+messages are replies at keys of its own (``x/<tid>/...``), so transfers on
+one link run side by side; each side numbers its transfers in its own half
+of the tag space (:class:`TransferIds`).
 
 A link breaks when a transfer on it times out, when the peer breaks the
 protocol or closes the connection, or when serving one of its requests
