@@ -47,9 +47,10 @@ __all__ = ["CHUNK_BYTES", "RAMP", "STAGE_BELOW", "Chunk", "Side", "chunk_rows_fo
            "chunk_slices", "chunks_of", "coalesce", "row_runs", "run_starts", "spans", "stages"]
 
 # Below this average run length a side's rows are staged.  Measured (bench_datadist.py, the
-# crossover; 2-core machine, 64 MiB pulls of 16 KiB blocks): staged beats in place for runs
-# of 16-64 KiB, in place wins from 256 KiB on, 128 KiB is where they meet.
-STAGE_BELOW = 128 << 10
+# crossover; 2-core machine, 64 MiB pulls of 16 KiB blocks, six runs): staged beats in place
+# for runs of 16-128 KiB, the two are within noise at 256 KiB (where no copy is preferred)
+# and in place wins from 512 KiB.
+STAGE_BELOW = 256 << 10
 # A staged transfer moves in chunks of about this size: fewer chunks cost fewer messages,
 # smaller ones overlap the gather, the wire and the scatter sooner.
 CHUNK_BYTES = 8 << 20
