@@ -5,6 +5,9 @@ Used by :mod:`._mooncake`, which turns them into a transfer's two halves.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -122,6 +125,10 @@ class Read:
 
     def _read_all(self, session: str, slices: list[Slice]) -> None:
         status = -1
+        if sys.platform == "linux":  # a thread's id names it to setpriority on Linux only
+            with contextlib.suppress(OSError):  # the engine's synchronous read busy-waits: at
+                # the lowest priority that wait takes no CPU from the transfer or anything else
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             for k in range(0, len(slices), _BATCH):
                 local, remote, lengths = zip(*slices[k:k + _BATCH], strict=True)

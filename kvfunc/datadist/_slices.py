@@ -23,7 +23,7 @@ order, so it never cuts a slice; the price is one copy of the bytes.
 
 **The rule** (:func:`stages`, measured by ``benchmarks/bench_datadist.py``,
 its crossover section): each Mooncake slice over TCP costs a fixed time on
-top of its bytes (about 20-25 us on the 2-core machine), and a copy of a
+top of its bytes (20-25 us on the 2-core machine), and a copy of a
 row costs its bytes at memory speed.  A side whose runs of consecutive
 rows average fewer than ``STAGE_BELOW`` bytes is staged, if it would take
 more than one slice; contiguous runs of at least that size move in place,
@@ -47,10 +47,10 @@ __all__ = ["CHUNK_BYTES", "RAMP", "STAGE_BELOW", "Chunk", "Side", "chunk_rows_fo
            "chunk_slices", "chunks_of", "coalesce", "row_runs", "run_starts", "spans", "stages"]
 
 # Below this average run length a side's rows are staged.  Measured (bench_datadist.py, the
-# crossover; 2-core machine, 64 MiB pulls of 16 KiB blocks, six runs): staged beats in place
-# for runs of 16-128 KiB, the two are within noise at 256 KiB (where no copy is preferred)
-# and in place wins from 512 KiB.
-STAGE_BELOW = 256 << 10
+# crossover; 2-core machine, 64 MiB pulls of 16 KiB blocks, five runs): staged takes
+# 0.55-0.67 of the in-place time for runs of 16 KiB, in place wins from runs of 32 KiB
+# (staged 0.89-1.22 of it, median 1.10) and more so for longer runs.
+STAGE_BELOW = 32 << 10
 # A staged transfer moves in chunks of about this size: fewer chunks cost fewer messages,
 # smaller ones overlap the gather, the wire and the scatter sooner.
 CHUNK_BYTES = 8 << 20

@@ -86,13 +86,13 @@ def test_push_and_layerwise_push_land_in_the_decoder(prompt: PeerProcess,
     assert 0 == sum(r.pins for r in decoder.cache_manager.state.caches.values())
 
 
-BIG = dd.CacheDesc(2, (16, 32, 1024), dd.DataType.DT_BF16)  # rows of 64 KiB
+MID = dd.CacheDesc(2, (16, 8, 1024), dd.DataType.DT_BF16)  # rows of 16 KiB
 
 
 @pytest.fixture(scope="module")
-def big(prompt: PeerProcess) -> dd.BlocksCacheKey:
-    """A blocks cache of 64 KiB rows on the prompt cluster (pattern 13), by its key."""
-    prompt.ok("alloc", desc=BIG.to_json(), blocks=True, model_id=1, fill=13)
+def mid(prompt: PeerProcess) -> dd.BlocksCacheKey:
+    """A blocks cache of 16 KiB rows on the prompt cluster (pattern 13), by its key."""
+    prompt.ok("alloc", desc=MID.to_json(), blocks=True, model_id=1, fill=13)
     return dd.BlocksCacheKey(0, 1)
 
 
@@ -107,23 +107,23 @@ def staged(peer: PeerProcess | dd.LLMDataDist) -> tuple[int, bool]:
 
 
 @pytest.mark.parametrize(("src", "dst", "stages"), [
-    ([9, 2, 14, 5], [3, 11, 0, 7], (True, True)),  # runs of 64 KiB on both sides
-    (list(range(8)), list(range(8, 16)), (False, False)),  # one run of 512 KiB each side
+    ([9, 2, 14, 5], [3, 11, 0, 7], (True, True)),  # runs of 16 KiB on both sides
+    (list(range(8)), list(range(8, 16)), (False, False)),  # one run of 128 KiB each side
     (list(range(8)), [15, 3, 9, 1, 12, 6, 0, 10], (False, True)),
     ([15, 3, 9, 1, 12, 6, 0, 10], list(range(8)), (True, False)),
 ])
 def test_each_side_stages_short_runs_and_reads_long_runs_in_place(
-        prompt: PeerProcess, decoder: dd.LLMDataDist, big: dd.BlocksCacheKey, src: list[int],
+        prompt: PeerProcess, decoder: dd.LLMDataDist, mid: dd.BlocksCacheKey, src: list[int],
         dst: list[int], stages: tuple[bool, bool]) -> None:
     """A side whose runs average under STAGE_BELOW copies them through its staging
     arena (the sender gathers, the receiver scatters); long runs move with no copy; the
     blocks land exactly, and both arenas are free again afterwards."""
-    dst_cache = zeros(decoder.cache_manager, BIG)
+    dst_cache = zeros(decoder.cache_manager, MID)
     before = staged(prompt)[0], staged(decoder)[0]
-    decoder.cache_manager.pull_blocks(big, dst_cache, src, dst)
+    decoder.cache_manager.pull_blocks(mid, dst_cache, src, dst)
     assert all(torch.equal(w[src], t[dst])
-               for w, t in zip(pattern(BIG, 13), dst_cache.tensors, strict=True))
-    region = BIG.num_tensors * len(src) * BIG.row_nbytes
+               for w, t in zip(pattern(MID, 13), dst_cache.tensors, strict=True))
+    region = MID.num_tensors * len(src) * MID.row_nbytes
     (sent, sent_free), (received, received_free) = staged(prompt), staged(decoder)
     assert (sent - before[0], received - before[1]) == tuple(region * s for s in stages)
     assert sent_free and received_free
@@ -150,17 +150,17 @@ def test_a_staged_push_and_layerwise_push_land_in_the_decoder(
     assert (moved, moved) == (staged(prompt)[0] - before[0], staged(decoder)[0] - before[1])
 
 
-def test_a_full_arena_reads_in_place(decoder: dd.LLMDataDist, big: dd.BlocksCacheKey) -> None:
+def test_a_full_arena_reads_in_place(decoder: dd.LLMDataDist, mid: dd.BlocksCacheKey) -> None:
     """A decoder whose staging arena cannot hold the region reads the scattered blocks in
     place (one slice per block): they land exactly and nothing is staged there."""
     from kvfunc.datadist._mooncake_engine import Staging
 
     engine = decoder._engine
-    engine.staging = Staging(engine.engine, size=1 << 16)  # smaller than the 512 KiB needed
-    dst = zeros(decoder.cache_manager, BIG)
-    decoder.cache_manager.pull_blocks(big, dst, [9, 2, 14, 5], [3, 11, 0, 7])
+    engine.staging = Staging(engine.engine, size=1 << 16)  # smaller than the 128 KiB needed
+    dst = zeros(decoder.cache_manager, MID)
+    decoder.cache_manager.pull_blocks(mid, dst, [9, 2, 14, 5], [3, 11, 0, 7])
     assert all(torch.equal(w[[9, 2, 14, 5]], t[[3, 11, 0, 7]])
-               for w, t in zip(pattern(BIG, 13), dst.tensors, strict=True))
+               for w, t in zip(pattern(MID, 13), dst.tensors, strict=True))
     assert (0, True) == staged(decoder)
 
 
