@@ -23,7 +23,7 @@ order, so it never cuts a slice; the price is one copy of the bytes.
 
 **The rule** (:func:`stages`, measured by ``benchmarks/bench_datadist.py``,
 its crossover section): each Mooncake slice over TCP costs a fixed time on
-top of its bytes (20-25 us on the 2-core machine), and a copy of a
+top of its bytes (20-30 us on the 2-core machine), and a copy of a
 row costs its bytes at memory speed.  A side whose runs of consecutive
 rows average fewer than ``STAGE_BELOW`` bytes is staged, if it would take
 more than one slice; contiguous runs of at least that size move in place,
