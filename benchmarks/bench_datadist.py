@@ -22,14 +22,25 @@ machine's noise):
   time <= ``raw tcp`` + ``copy``, where ``copy`` is a 64 MiB
   ``index_select`` of the same rows timed here in the same round.
 * ``mooncake raw write``: one 64 MiB region written by the decoder's
-  Mooncake engine into the prompt side's registered memory.
+  Mooncake engine into the prompt side's registered memory (the engine's
+  synchronous call); ``mooncake raw write polled``: the same submitted and
+  polled as the pull's reads are (shown for reference).
 * ``mooncake pull``: ``pull_blocks`` of the 256 scattered blocks over
-  Mooncake.  Target: >= 0.85 of ``mooncake raw write``'s throughput.
+  Mooncake (both sides stage them).  Target: >= 0.85 of ``mooncake raw
+  write``'s throughput.
+* ``mooncake pull contiguous``: the 16 runs of 16 blocks over Mooncake,
+  read in place: checked to copy nothing through staging on either side.
 
 Then a **layer-wise push**: the prompt side pushes the scattered blocks
 with ``transfer_cache_async`` (tcp) while a thread simulates the model,
 one layer every ``delay`` seconds, ``delay`` being one layer's transfer
 time measured first.  Target: total <= (compute + one layer) x 1.2.
+
+Then, with Mooncake, the **crossover** (``datadist_crossover.py``): pulls
+forced in place and forced staged for runs of 1-32 blocks, which sets the
+staging rule; and the **fairness** section (``datadist_fairness.py``):
+honest pulls alone and beside a flooding decoder, 1, 4 and 16 honest
+decoders.
 
 Run ``python benchmarks/bench_datadist.py [--quick] [--json PATH]``.
 """
@@ -46,16 +57,29 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 import kvfunc.datadist as dd
+from kvfunc.datadist import _slices
+from kvfunc.datadist._mooncake_engine import POLL_S
+
+sys.path.insert(0, str(Path(__file__).parent))  # the sections' modules, run or imported
+import datadist_crossover
+import datadist_fairness
 
 TENSORS = 16  # 8 layers x (K, V)
 BLOCK_SHAPE = (16, 8, 64)  # block size 16, 8 heads, head dim 64: 16 KiB in fp16
 SEED = 0
+DEFAULT_STAGE_BELOW = _slices.STAGE_BELOW
+
+
+def set_stage_below(value: int) -> None:
+    """Force this process's staging threshold (-1: back to the default)."""
+    _slices.STAGE_BELOW = DEFAULT_STAGE_BELOW if value < 0 else value
 
 
 def sizes(quick: bool) -> tuple[int, int, int]:
@@ -121,6 +145,7 @@ class Prompt:
         if "mooncake" in self.clusters:  # where the raw Mooncake write lands
             scratch = dd.CacheDesc(1, (self.nbytes,), dd.DataType.DT_UINT8)
             self.scratch = self.clusters["mooncake"].cache_manager.allocate_cache(scratch)
+        self.fair = datadist_fairness.prompt_cluster(TENSORS, BLOCK_SHAPE, SEED + 1)
         self.raw = torch.randn(self.nbytes // 4)  # same bytes, contiguous
         self.raw_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.raw_server = socket.create_server(("127.0.0.1", 0))
@@ -129,6 +154,7 @@ class Prompt:
         info: dict[str, Any] = {"listen": {t: c.listen_address for t, c in
                                            self.clusters.items()},
                                 "raw_port": self.raw_store.port,
+                                "fair": self.fair.listen_address,
                                 "tcp_port": self.raw_server.getsockname()[1]}
         if "mooncake" in self.clusters:
             info["mooncake"] = [self.clusters["mooncake"]._engine.session,
@@ -143,9 +169,15 @@ class Prompt:
                 print(json.dumps({}), flush=True)
             elif cmd["op"] == "push":
                 print(json.dumps({"seconds": self.push(**cmd["args"])}), flush=True)
+            elif cmd["op"] == "stage_below":
+                set_stage_below(cmd["value"])
+                print(json.dumps({}), flush=True)
+            elif cmd["op"] == "staged":
+                staged = self.clusters["mooncake"]._engine.staging.staged_bytes
+                print(json.dumps({"bytes": staged}), flush=True)
             else:
                 break
-        for cluster in self.clusters.values():
+        for cluster in [*self.clusters.values(), self.fair]:
             cluster.finalize()
 
     def _raw_tcp(self) -> None:
@@ -243,6 +275,10 @@ class Decoder:
         self.copy_rows = torch.tensor([i * self.num_blocks + b for i in range(TENSORS)
                                        for b in self.scattered[0]])
         self.copy_out = torch.empty(len(self.copy_rows), d.row_nbytes, dtype=torch.uint8)
+        gen = torch.Generator().manual_seed(SEED)
+        self.want = [torch.randn(t.shape, generator=gen).to(t.dtype)
+                     for t in self.dst["tcp"].tensors]
+        self.staged: dict[str, set[tuple[int, int]]] = {}  # per lane: bytes staged per side
 
     def ask(self, op: str, **fields: Any) -> dict[str, Any]:
         self.stdin.write(json.dumps({"op": op, **fields}) + "\n")
@@ -253,11 +289,9 @@ class Decoder:
     def check(self, transport: str, ids: tuple[list[int], list[int]]) -> None:
         """Every moved block equals the prompt side's (the same deterministic fill)."""
         src, dst = ids
-        gen = torch.Generator().manual_seed(SEED)
-        for t in self.dst[transport].tensors:
-            want = torch.randn(t.shape, generator=gen).to(t.dtype)
+        for want, t in zip(self.want, self.dst[transport].tensors, strict=True):
             assert torch.equal(want[src], t[dst]), "moved blocks differ"
-            t.zero_()
+            t[dst] = 0
 
     def time_raw_tcp(self) -> float:
         view = memoryview(self.raw.numpy()).cast("B")
@@ -292,12 +326,20 @@ class Decoder:
         torch.index_select(self.copy_src, 0, self.copy_rows, out=self.copy_out)
         return time.perf_counter() - start
 
-    def time_mooncake_raw(self) -> float:
+    def time_mooncake_raw(self, polled: bool = False) -> float:
+        """One 64 MiB write of one region: the engine's synchronous call (it spins a core
+        while it waits), or submitted and polled every POLL_S as the pull's reads are."""
         engine = self.clusters["mooncake"]._engine.engine
         session, remote = self.hello["mooncake"]
         local = self.dst["mooncake"].tensors[0].data_ptr()
         start = time.perf_counter()
-        status = engine.batch_transfer_sync_write(session, [local], [remote], [self.nbytes])
+        if polled:
+            batch = engine.batch_transfer_async_write(session, [local], [remote], [self.nbytes])
+            while (status := engine.transfer_check_status(batch)) in (0, -2):
+                time.sleep(POLL_S)
+            status = 0 if status == 1 else status
+        else:
+            status = engine.batch_transfer_sync_write(session, [local], [remote], [self.nbytes])
         seconds = time.perf_counter() - start
         assert 0 == status, status
         return seconds
@@ -311,8 +353,32 @@ class Decoder:
             "copy": lambda r: self.time_copy()}
         if "mooncake" in self.clusters:
             out["mooncake raw write"] = lambda r: self.time_mooncake_raw()
-            out["mooncake pull"] = lambda r: self.time_pull("mooncake", self.scattered)
+            out["mooncake raw write polled"] = lambda r: self.time_mooncake_raw(polled=True)
+            out["mooncake pull"] = lambda r: self.time_staged("mooncake pull", self.scattered)
+            out["mooncake pull contiguous"] = lambda r: self.time_staged(
+                "mooncake pull contiguous", self.contig)
         return out
+
+    def staging(self) -> tuple[int, int]:
+        """Bytes each side's Mooncake engine has copied through its staging arena."""
+        return (self.ask("staged")["bytes"],
+                self.clusters["mooncake"]._engine.staging.staged_bytes)
+
+    def time_staged(self, lane: str, ids: tuple[list[int], list[int]]) -> float:
+        """A Mooncake pull, timed; what each side staged for it is recorded per lane."""
+        before = self.staging()
+        seconds = self.time_pull("mooncake", ids)
+        after = self.staging()
+        self.staged.setdefault(lane, set()).add((after[0] - before[0], after[1] - before[1]))
+        return seconds
+
+    def report_staging(self) -> None:
+        """Scattered blocks are staged on both sides; contiguous runs move in place."""
+        print(f"  mooncake staging (prompt, decoder bytes per pull): scattered "
+              f"{sorted(self.staged['mooncake pull'])}, contiguous "
+              f"{sorted(self.staged['mooncake pull contiguous'])}")
+        assert {(self.nbytes, self.nbytes)} == self.staged["mooncake pull"]
+        assert {(0, 0)} == self.staged["mooncake pull contiguous"], "contiguous runs copied"
 
     def run(self) -> dict[str, Any]:
         lanes = self.lanes()
@@ -352,10 +418,30 @@ class Decoder:
         if "mooncake" in self.clusters:
             ratio("ratio mooncake pull/raw write throughput", "mooncake raw write",
                   "mooncake pull", "target >= 0.85")
+            ratio("ratio mooncake pull/raw write polled throughput",
+                  "mooncake raw write polled", "mooncake pull", "shown")
+            ratio("ratio mooncake contiguous/raw write throughput", "mooncake raw write",
+                  "mooncake pull contiguous", "shown")
+            self.report_staging()
         result["layerwise_ratio"] = self.layerwise()
+        if "mooncake" in self.clusters:
+            result["crossover"] = self.crossover()
         for cluster in self.clusters.values():
             cluster.finalize()
+        quick = self.moved < 256
+        result["fairness"] = datadist_fairness.run(
+            tuple(self.hello["fair"]), TENSORS, BLOCK_SHAPE, SEED + 1,
+            rounds=1 if quick else 5, pulls=1 if quick else 4)
         return result
+
+    def crossover(self) -> dict[str, Any]:
+        def both(value: int) -> None:
+            set_stage_below(value)
+            self.ask("stage_below", value=value)
+
+        return datadist_crossover.run(
+            lambda src, dst: self.time_pull("mooncake", (src, dst)), both, self.moved,
+            self.num_blocks, self.desc.row_nbytes, TENSORS, max(self.rounds * 3 // 5, 1))
 
     def layerwise(self) -> float:
         dst = self.dst["tcp"]

@@ -168,6 +168,11 @@ class Outgoing(abc.ABC):
     def wait(self, timeout_s: float) -> None:
         """Return when everything sent has left; :class:`TransferTimeoutError` otherwise."""
 
+    def close(self) -> None:
+        """The transfer ended (the receiver has all of it, or gave up, or the link broke):
+        release what the sending held (a staging region).  Nothing, unless overridden."""
+        return None
+
 
 class Incoming(abc.ABC):
     """The receiving half of one transfer.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from kvfunc.datadist._errors import (
 from kvfunc.datadist._link import ROOT, Acceptor, Link, LinkContext, connect
 from kvfunc.datadist._pool import MemoryPool
 from kvfunc.datadist._registry import RegistryState
+from kvfunc.datadist._serving import Server
 from kvfunc.datadist._tcp import TcpEndpoint
 from kvfunc.datadist._types import (
     ClusterInfo,
@@ -119,11 +119,11 @@ class LLMDataDist:
             host = opts.listen[0] if opts.listen else "127.0.0.1"
             self._engine = MooncakeEngine(host, list(self._pool.buffers.values()))
             session = self._engine.session
-        self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvfunc-serve")
+        self._server = Server()
         self._ctx = LinkContext(self.cluster_id, self.role, self.transport, device,
                                 self._timeout_s, session, self._make_endpoint,
                                 lambda link, m: _push.dispatch(self._cache_manager, link, m),
-                                self._on_up, self._on_down, self._executor)
+                                self._on_up, self._on_down, self._server)
         self._initialized = True
         if opts.listen is not None:
             self._acceptor = Acceptor(self._ctx, *opts.listen)
@@ -156,7 +156,7 @@ class LLMDataDist:
 
             if session is None:
                 raise LinkFailedError("the peer announced no Mooncake session")
-            return MooncakeEndpoint(self._engine, session)
+            return MooncakeEndpoint(self._engine, session, link.channel)
         if self.transport == "tcp":
             return TcpEndpoint(link.channel)
         try:
@@ -286,7 +286,7 @@ class LLMDataDist:
             link.join()
         if self._acceptor is not None:
             self._acceptor.close()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._server.shutdown(wait=True)
         if self._engine is not None:
             self._engine.close()
 

@@ -19,10 +19,13 @@ within the link timeout::
 The connection (:class:`~kvfunc.datadist._wire.Connection`) then carries
 the link's control messages and, on the ``tcp`` transport, its data.  Each
 side owns a :class:`Link`: its requests (a pull to serve, a push to
-receive) go to the cluster's thread pool, at most ``MAX_REQUESTS`` at a
-time per link; a request's later messages are replies at keys of its own
-(``x/<tid>/...``), so transfers on one link run side by side; each side
-numbers its transfers in its own half of the tag space (:class:`TransferIds`).
+receive) go to the cluster's :class:`~kvfunc.datadist._serving.Server`,
+which shares its threads fairly between links (a slot of its own per
+link, the rest round robin); at most ``MAX_REQUESTS`` of a link are
+queued or served at a time, more break that link.  A request's later
+messages are replies at keys of its own (``x/<tid>/...``), so transfers on
+one link run side by side; each side numbers its transfers in its own half
+of the tag space (:class:`TransferIds`).
 
 A link breaks when a transfer on it times out, when the peer breaks the
 protocol or closes the connection, or when serving one of its requests
@@ -40,7 +43,7 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import attrs
@@ -60,6 +63,7 @@ from kvfunc.datadist._protocol import (
     get_str,
     raise_if_error,
 )
+from kvfunc.datadist._serving import Server
 from kvfunc.datadist._types import ClusterInfo, LLMRole
 from kvfunc.datadist._wire import POLL_S, Connection
 
@@ -69,7 +73,7 @@ __all__ = ["MAX_HANDSHAKES", "MAX_REQUESTS", "Acceptor", "Link", "LinkContext", 
 log = logging.getLogger("kvfunc.datadist")
 ROOT = "kvfunc"
 MAX_HANDSHAKES = 16  # links being made at once by one listener
-MAX_REQUESTS = 64  # requests of one link being served at once
+MAX_REQUESTS = 64  # requests of one link queued or being served at once
 HELLO_BYTES = 1 << 16
 _TORCH = ("gloo", "nccl", "hccl")
 
@@ -88,7 +92,7 @@ class LinkContext:
     dispatch: Callable[[Link, dict[str, Any]], None]
     on_up: Callable[[Link], None]
     on_down: Callable[[Link], None]
-    executor: ThreadPoolExecutor  # serves requests of every link of the cluster
+    server: Server  # serves the requests of every link of the cluster, fairly
 
 
 class TransferIds:
@@ -209,8 +213,8 @@ class Link:
                 raise PeerProtocolError(f"cluster {self.peer_cluster_id} has over "
                                         f"{MAX_REQUESTS} requests in flight")
             try:
-                future = self.ctx.executor.submit(self._handle, message)
-            except RuntimeError:  # the executor was shut down: the cluster is closing
+                future = self.ctx.server.submit(self, lambda: self._handle(message))
+            except RuntimeError:  # the server was shut down: the cluster is closing
                 return
             self._serving.add(future)
         future.add_done_callback(self._served)

@@ -113,6 +113,8 @@ def push(manager: CacheManager, targets: Sequence[PushTarget], src: Cache,
                 raise broken(target.link, exc, "push") from None
             raise_if_error(done)
     finally:
+        for _, _, outgoing, _ in opened:
+            outgoing.close()
         manager._unpin(src.cache_id)
 
 

@@ -35,24 +35,10 @@ import torch
 
 from kvfunc.datadist._backends import Endpoint, Incoming, Outgoing, rows_as_bytes
 from kvfunc.datadist._errors import FeatureNotEnabledError
+from kvfunc.datadist._slices import row_runs
 from kvfunc.datadist._wire import Buffers, Connection, data_header, frame_bytes
 
 __all__ = ["TcpEndpoint", "row_buffers", "row_runs"]
-
-
-def row_runs(rows: Sequence[int]) -> list[tuple[int, int]]:
-    """``rows`` as runs ``(first, count)`` of consecutive rows, in order.
-
-    >>> row_runs([4, 5, 6, 9, 2, 3])
-    [(4, 3), (9, 1), (2, 2)]
-    """
-    runs: list[tuple[int, int]] = []
-    for r in rows:
-        if runs and runs[-1][0] + runs[-1][1] == r:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((r, 1))
-    return runs
 
 
 def row_buffers(tensor: torch.Tensor, runs: Sequence[tuple[int, int]],

@@ -52,7 +52,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvfunc.core import LLMError
-from kvfunc.datadist._backends import Incoming
+from kvfunc.datadist._backends import Incoming, Outgoing
 from kvfunc.datadist._errors import (
     InvalidParamError,
     LinkFailedError,
@@ -247,6 +247,7 @@ def serve_pull(manager: CacheManager, link: Link, tid: int, message: dict[str, A
     """Serve the pull ``message`` (transfer ``tid``, already checked by the dispatch)."""
     timeout_s = manager._timeout_s
     pinned: Cache | None = None
+    outgoing: Outgoing | None = None
     try:
         manager._require(LLMRole.PROMPT, "serving a pull")
         key = key_from_json(message.get("key"))
@@ -271,6 +272,8 @@ def serve_pull(manager: CacheManager, link: Link, tid: int, message: dict[str, A
             raise InvalidParamError(f"the receiver waits for messages {posted!r:.80}, this "
                                     f"side sends {list(outgoing.starts)!r:.80}")
     except LLMError as exc:
+        if outgoing is not None:
+            outgoing.close()
         if pinned is not None:
             manager._unpin(pinned.cache_id)
         _drain(link, tid, message, timeout_s)  # before the reply: the receiver finds them done
@@ -297,5 +300,6 @@ def serve_pull(manager: CacheManager, link: Link, tid: int, message: dict[str, A
         if acked and isinstance(key, CacheKey):
             manager._release_key(key)
         unpin()
+        outgoing.close()  # the receiver read it all, or gave up, or the link is broken
     if acked:
         put_quietly(link, f"x/{tid}/fin", {"ok": True})

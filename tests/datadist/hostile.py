@@ -6,7 +6,8 @@ victim go to a script the test chooses (:meth:`Hostile.answer`) instead of
 the honest handlers, and the test sends whatever control messages, data
 frames or raw bytes it likes.  :func:`snapshot` and :func:`assert_clean`
 check what a victim must keep after any attack: no pin, no pool byte
-leaked, nothing written outside the rows it offered.
+leaked, nothing written outside the rows it offered.  :class:`Flood` is a
+greedy decoder: many legal pulls, each acknowledged as late as it dares.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import attrs
 import torch
 
 import kvfunc.datadist as dd
+from kvfunc.datadist._backends import Incoming
 from kvfunc.datadist._link import Link
+from kvfunc.datadist._protocol import key_to_json
 from kvfunc.datadist._wire import HEADER, MAGIC, data_header
 
 Script = Callable[[Link, dict[str, Any]], None]
@@ -116,6 +119,55 @@ class Hostile:
     def close(self) -> None:
         """Finalize the hostile cluster."""
         self.dd.finalize()
+
+
+class Flood:
+    """``count`` pulls of ``key`` into row 0 of ``dst``, posted at once by ``hostile`` (a
+    DECODER): each is received whole, then answered with ``{"ok": false}`` once
+    :attr:`release` is set or ``hold_s`` after its accept, whichever comes first (a
+    thread each).  All legal, and
+    never a timeout if ``hold_s`` is under the victim's.  :attr:`answered` counts the
+    answers, :attr:`errors` what went wrong on this side."""
+
+    def __init__(self, hostile: Hostile, key: dd.CacheKey, dst: dd.Cache, count: int,
+                 hold_s: float) -> None:
+        self.link, self.hold_s = hostile.link, hold_s
+        self.release = threading.Event()
+        self.answered = 0
+        self.errors: list[BaseException] = []
+        desc, tensors = dst.cache_desc, [list(range(dst.cache_desc.num_tensors))]
+        self.pulls: list[tuple[int, Incoming]] = []
+        for _ in range(count):
+            tid = self.link.new_tid(desc.num_tensors)
+            incoming = self.link.transport.incoming(dst.tensors, [0], tid, tensors, None)
+            self.link.post({"op": "pull", "tid": tid, "key": key_to_json(key),
+                            "src_rows": None, "n_rows": 1, "desc": desc.to_json(),
+                            "posted": None})
+            self.pulls.append((tid, incoming))
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._answer, args=pull, daemon=True,
+                                         name="flood") for pull in self.pulls]
+        for thread in self.threads:
+            thread.start()
+
+    def _answer(self, tid: int, incoming: Incoming) -> None:
+        wait = self.hold_s + 30  # a queued pull is accepted once an earlier one ends
+        try:
+            assert self.link.channel.take(f"x/{tid}/accept", wait)["ok"]
+            incoming.receive_all(wait)
+            self.release.wait(self.hold_s)
+            self.link.channel.put(f"x/{tid}/ack", {"ok": False})
+            with self.lock:
+                self.answered += 1
+        except BaseException as exc:  # the test reads it
+            with self.lock:
+                self.errors.append(exc)
+
+    def stop(self) -> None:
+        """Answer every pull now and wait until all are answered (or failed)."""
+        self.release.set()
+        for thread in self.threads:
+            thread.join(self.hold_s + 60)
 
 
 @attrs.frozen

@@ -88,6 +88,12 @@ class Peer:
         return {"used": s.used_bytes(), "caches": len(s.caches), "bindings": len(s.bindings),
                 "pins": sum(r.pins for r in s.caches.values())}
 
+    def op_staged(self) -> dict[str, Any]:
+        """The Mooncake engine's staging: bytes copied through it so far, bytes free now."""
+        staging = self.dd._engine.staging
+        return {"bytes": staging.staged_bytes, "free": staging.ranges.free_bytes,
+                "size": staging.size}
+
     def op_read(self, cache_id: int) -> dict[str, Any]:
         return {"data": [t.double().flatten().tolist() for t in self.caches[cache_id].tensors]}
 

@@ -24,11 +24,13 @@ def bench_has_mooncake() -> bool:
 
 
 def test_bench_datadist_quick_runs_and_checks_every_block(tmp_path: Path) -> None:
-    """``--quick`` exits 0 after checking every pulled and pushed block, and reports each
-    lane's ratio to its baseline (Mooncake's where its engine loads)."""
+    """``--quick`` exits 0 after checking every pulled and pushed block (and, with
+    Mooncake, that scattered blocks are staged on both sides and contiguous runs on
+    neither), reports each lane's ratio to its baseline, the crossover where Mooncake's
+    engine loads, and the fairness section: every honest pull beside the flood done."""
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, check=False)
+                          capture_output=True, text=True, timeout=600, check=False)
     assert 0 == proc.returncode, proc.stdout + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert (True, 8.0) == (result["quick"], result["mib"])
@@ -36,4 +38,9 @@ def test_bench_datadist_quick_runs_and_checks_every_block(tmp_path: Path) -> Non
     assert {"ratio contiguous/raw tcp throughput", "ratio scattered/(raw tcp + copy) time",
             "ratio scattered/raw tcp throughput", "ratio raw gloo/raw tcp throughput",
             "ratio total/(compute + 1 layer)"} <= ratios
-    assert ("ratio mooncake pull/raw write throughput" in ratios) == bench_has_mooncake()
+    mooncake = bench_has_mooncake()
+    assert ("ratio mooncake pull/raw write throughput" in ratios) == mooncake
+    assert ("crossover" in result) == mooncake
+    assert ["1", "4", "16"] == list(result["fairness"])
+    assert [0, 0, 0] == [f["failed"] for f in result["fairness"].values()]
+    assert [0, 0, 0] == [f["flood_errors"] for f in result["fairness"].values()]
