@@ -18,8 +18,12 @@ prefix lookup, token bookkeeping and block hashing.
   ``get_computed_blocks``, ``allocate_slots`` (with the hit at admission),
   ``append_output_token_ids`` (which hashes each block that fills),
   ``free``;
-* kvfunc, per call: ``BlockHashes.of`` / ``update``, ``lookup_prefix``,
-  ``allocate_slots`` (with ``block_hashes`` and the hit), ``free_request``;
+* kvfunc, per call: ``BlockHashes.of``, ``lookup_prefix``,
+  ``allocate_slots`` (with ``block_hashes`` and the hit), and at a request's
+  end ``BlockHashes.update`` and ``free_request(..., block_hashes=)``, which
+  caches its output blocks as it frees them (vLLM caches each as it fills;
+  no request of this trace hits another's output while it runs, so the hits
+  are the same);
 * kvfunc, per step: the same, with one ``allocate_batch`` per step, in each
   documented input form: plain tuples with the step's ``block_hashes``
   mapping (admissions as ``SlotRequest`` with their hit), a ``SlotRequest``
@@ -182,15 +186,11 @@ class KvLane:
         state, hashes, toks = self.state, self.hashes, self.toks
         hits = 0
         for frees, ops in steps:
-            for rid in frees:
-                state = free(state, rid)[0]
-                del hashes[rid], toks[rid]
+            for rid in frees:  # its output blocks are hashed once, and cached as it is freed
+                state = free(state, rid, block_hashes=hashes.pop(rid).update(toks.pop(rid)))[0]
             for rid, computed, x in ops:
-                if computed:  # the engine appends the token; a block that fills is hashed
-                    t = toks[rid]
-                    t.append(x)
-                    if not len(t) % BS:
-                        hashes[rid] = hashes[rid].update(t)
+                if computed:  # the engine appends the token
+                    toks[rid].append(x)
                     r = allocate(state, rid, computed, 1, block_hashes=hashes[rid])
                 else:
                     h = hashes[rid] = of(x, BS)
@@ -210,15 +210,11 @@ class KvLane:
         state, hashes, toks = self.state, self.hashes, self.toks
         for frees, ops in steps:
             for rid in frees:
-                state = free(state, rid)[0]
-                del hashes[rid], toks[rid]
+                state = free(state, rid, block_hashes=hashes.pop(rid).update(toks.pop(rid)))[0]
             reqs: list[Any] = []
             for rid, computed, x in ops:
                 if computed:
-                    t = toks[rid]
-                    t.append(x)
-                    if not len(t) % BS:
-                        hashes[rid] = hashes[rid].update(t)
+                    toks[rid].append(x)
                     if form == "tuples":
                         reqs.append((rid, computed, 1))
                     elif form == "slot_requests":

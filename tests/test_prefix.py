@@ -148,7 +148,7 @@ def test_the_index_holds_exactly_the_cached_blocks() -> None:
         r = _admit(s, rid, [rid * 1000 + t for t in range(29)])
         assert r.ok
         s = r.state
-        assert len(s.pool_of("full").index) == kf.num_cached_blocks(s, "full") <= 8
+        assert len(s.pool_of("full").by_key) == kf.num_cached_blocks(s, "full") <= 8
     kf.check_invariants(s)
     hit = kf.lookup_prefix(first, kf.BlockHashes.of(range(9), 4), max_tokens=8)
     assert hit.block_ids["full"] == (1, 2)
@@ -540,7 +540,7 @@ def test_thrown_away_transitions_leave_the_index_as_it_was() -> None:
     for i in range(500):  # accepted, then dropped
         toks = [i * 100 + t for t in range(24)]
         assert kf.allocate_slots(s, i, 0, 24, block_hashes=kf.BlockHashes.of(toks, 4)).ok
-    assert len(s.pool_of("full").index) == 1
+    assert len(s.pool_of("full").by_key) == 1
     hit = kf.lookup_prefix(s, kf.BlockHashes.of(range(5), 4), max_tokens=4)
     assert hit.block_ids["full"] == (1,)
 def test_block_hashes_built_from_tuples_equal_hashed_ones() -> None:
@@ -614,7 +614,7 @@ def test_a_hash_stored_in_many_blocks_is_found_until_its_last_copy_goes() -> Non
     for i in range(40):
         s = kf.free_request(s, i)[0]
     s = kf.free_request(kf.allocate_slots(s, "big", 0, 127 * 4).state, "big")[0]  # evicts all
-    assert 0 == kf.num_cached_blocks(s, "full") and not len(s.pool_of("full").index)
+    assert 0 == kf.num_cached_blocks(s, "full") and not len(s.pool_of("full").by_key)
     s = kf.allocate_slots(s, "again", 0, 5, block_hashes=h).state
     block = kf.get_block_ids(s, "again")["full"][0]
     assert s.pool_of("full").cached("full") == {h.hashes[0]: (block,)}

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any
 
-import attrs
-
 from kvfunc.compat._managers import SingleTypeKVCacheManager
 from kvfunc.compat._store import Store
 from kvfunc.core import (
@@ -195,7 +193,7 @@ class KVCacheManager:
 def _compose(max_model_len: int, managers: tuple[SingleTypeKVCacheManager, ...]) -> KVState:
     """One state holding every manager's group and pool (a pool per manager, in order)."""
     parts = [m._parts() for m in managers]
-    groups = tuple(attrs.evolve(g, pool=i) for i, (g, _) in enumerate(parts))
+    groups = tuple(g._replace(pool=i) for i, (g, _) in enumerate(parts))
     seq = max((m._store.tr.seq for m in managers), default=0)
     return KVState(max_model_len, tuple(p for _, p in parts), groups, seq)
 

@@ -204,10 +204,11 @@ def run_entry(tr: Transient, rid: Any, computed: Any, new: Any, la: Any, reserve
         if total > limit or written > limit:
             computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
         if LANE:  # quiet in every group: the rows' limits say so (see ``_rows``)
+            cover = 0 if hashes is None else hashes.num_tokens
             for view in tr.views:
                 row = view.rows.get(rid)
-                if (row is None or total > row[5] or computed >= row[6] or written >= row[7]
-                        or computed < row[8]):
+                if (row is None or total > row[5] or computed >= row[6] or computed < row[8]
+                        or (written >= row[7] and cover >= row[7])):
                     break
             else:
                 return True
@@ -228,8 +229,8 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
             rid, computed, new = e
             ok = run_entry(tr, rid, computed, new, lookahead, 0, None, None, None, mapping)
         elif te is SlotRequest or (te is tuple and len(e) == 8):
-            rid = e[0]
-            ok = run_entry(tr, *e, mapping)
+            rid, computed, new, la, reserved, keys, hashes, hit = e
+            ok = run_entry(tr, rid, computed, new, la, reserved, keys, hashes, hit, mapping)
         else:
             rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
                 tr, e, lookahead, mapping)

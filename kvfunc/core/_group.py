@@ -17,9 +17,8 @@ delta is the transition's exact log and replay runs the same primitives.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import immutables
 
 from kvfunc.core._delta import COPY_SAVED, DeltaBuilder
@@ -30,24 +29,27 @@ from kvfunc.core._rows import Row, TablesView, leading_nulls, make_row, row_tabl
 __all__ = ["GroupCopy", "GroupState"]
 
 _new = tuple.__new__
-_set = object.__setattr__
 
 
-@attrs.frozen(slots=True, eq=False)
-class GroupState:
-    """One manager key's block tables and policy (see the module docstring)."""
+class GroupState(NamedTuple):
+    """One manager key's block tables and policy (see the module docstring): an immutable record.
+
+    Make one with :meth:`of`; ``traits`` is derived from the policy.
+    """
 
     key: str
     policy: Policy
     pool: int
     rows: immutables.Map[Any, Row]
     #: ``(block_size, grows_with_tokens, skip mode, window)``, read once per step
-    traits: tuple[int, bool, int, int | None] = attrs.field(eq=False, repr=False)
+    traits: tuple[int, bool, int, int | None]
 
-    @traits.default
-    def _traits(self) -> tuple[int, bool, int, int | None]:
-        p = self.policy
-        return (p.block_size, p.grows_with_tokens, skip_mode(p), p.window)
+    @classmethod
+    def of(cls, key: str, policy: Policy, pool: int, rows: immutables.Map[Any, Row]
+           ) -> GroupState:
+        """A group with its traits derived from ``policy``."""
+        traits = (policy.block_size, policy.grows_with_tokens, skip_mode(policy), policy.window)
+        return cls(key, policy, pool, rows, traits)
 
     @property
     def num_rows(self) -> int:
@@ -83,6 +85,17 @@ class GroupState:
     def __repr__(self) -> str:
         return (f"GroupState(key={self.key!r}, policy={self.policy!r}, pool={self.pool}, "
                 f"tables={dict(self.tables)!r})")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GroupState):
+            return NotImplemented
+        return self is other or self.identity() == other.identity()
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        raise TypeError("unhashable type: 'GroupState'")
 
 
 class GroupCopy:
@@ -324,13 +337,7 @@ class GroupCopy:
         if not self.changed:
             return self.src
         rows = self.rows.finish()
-        new = object.__new__(GroupState)
-        _set(new, "key", self.key)
-        _set(new, "policy", self.policy)
-        _set(new, "pool", pool)
-        _set(new, "rows", rows)
-        _set(new, "traits", self.traits)
-        self.src = new
+        new = self.src = _new(GroupState, (self.key, self.policy, pool, rows, self.traits))
         self.rows = rows.mutate()
         self.changed = False
         return new

@@ -99,7 +99,7 @@ def _check_cache(pool: PoolState, groups: list[GroupState]) -> None:
     cached = {b: k for b, k in enumerate(hash_of) if k is not None}
     assert pool.num_cached == len(cached), f"{pool.name}: cached block count differs"
     indexed: dict[int, bytes] = {}
-    for key, found in pool.index.items():
+    for key, found in pool.by_key.items():
         blocks = found if type(found) is tuple else (found,)
         assert len(blocks) == len(set(blocks)) and (type(found) is int or len(blocks) > 1), (
             f"{pool.name}: a malformed index entry {found!r}")

@@ -441,12 +441,13 @@ def row_limits(policy: Policy, traits: tuple[int, bool, int, int | None], cachin
     """A table's quiet limits ``(room, slide, fill, cow_from)`` (see ``_rows``).
 
     A step of ``(computed, written, total)`` tokens with ``total <= room``,
-    ``computed < slide``, ``written < fill`` and ``computed >= cow_from``
-    gets nothing from the policy's answers: :func:`blocks_needed` needs no
-    block (``room``: the tokens ``held`` entries cover), :func:`slid_out`
-    recycles nothing (``slide``: where the window next leaves a block
-    behind), no block completes for the cache (``fill``) and no write lands
-    in a block another table holds (``cow_from``).  They follow from the
+    ``computed < slide`` and ``computed >= cow_from`` gets nothing from the
+    policy's answers: :func:`blocks_needed` needs no block (``room``: the
+    tokens ``held`` entries cover), :func:`slid_out` recycles nothing
+    (``slide``: where the window next leaves a block behind) and no write
+    lands in a block another table holds (``cow_from``); no block completes
+    for the cache either while ``written < fill`` or the step's hashes cover
+    fewer than ``fill`` tokens.  They follow from the
     hints that :func:`check_hints` holds to the methods; a policy the hints
     cannot describe (no growth with tokens, skipping by method) gets limits
     that send every step to the policy.  ``tests/test_policy_limits.py``
@@ -458,7 +459,7 @@ def row_limits(policy: Policy, traits: tuple[int, bool, int, int | None], cachin
     bs, grows, mode, window = traits
     held_real = held - nulls
     if not grows or not held or mode == BY_METHOD:
-        return -1, -1, -1, 0
+        return -1, -1, -1, NEVER
     room = held * bs
     slide = NEVER if mode == KEEPS_ALL or not held_real else (nulls + 1) * bs + window - 1  # type: ignore[operator]
     if not caching:

@@ -14,7 +14,7 @@ Two kinds, chosen when the state is made:
 * **linked** (prefix caching, or vLLM's order without it): vLLM's free
   queue, :class:`~kvfunc.core._queue.Linked`, plus ``refs`` (table entries
   and detached holders per block) and, with caching, ``hash_of`` (the key
-  each cached block is stored under) and ``index`` (key -> block id, or a
+  each cached block is stored under) and ``by_key`` (key -> block id, or a
   tuple of ids in the order they were cached when one key names several
   copies; a hit takes the first, as vLLM's does).  A block whose last holder
   goes re-enters the queue at the front when it holds nothing cached (reused
@@ -40,9 +40,8 @@ primitives record the pool's own delta rows (freed, evicted) as they act.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import immutables
 from pyrsistent import PVector, pvector
 
@@ -63,9 +62,8 @@ def cache_key(digest: bytes, tag: bytes | None) -> bytes:
     return digest if tag is None else digest + tag
 
 
-@attrs.frozen(slots=True, eq=False)
-class PoolState:
-    """A block pool as a value (see the module docstring).
+class PoolState(NamedTuple):
+    """A block pool as a value (see the module docstring): an immutable record.
 
     Attributes:
         name: the pool's name (a group key for a pool per type, else ``"shared"``).
@@ -74,7 +72,7 @@ class PoolState:
         queue: the free queue (a ``Ring`` or a ``Linked`` queue).
         refs: holders per block (linked pools), else None.
         hash_of: the key each block is cached under, or None (caching pools).
-        index: cached key -> block id, or a tuple of ids in cache order.
+        by_key: the hash index: cached key -> block id, or a tuple of ids in cache order.
         num_cached: blocks whose ``hash_of`` is set.
         detached: block -> holders outside the tables.
     """
@@ -85,7 +83,7 @@ class PoolState:
     queue: Any
     refs: PVector[int] | None
     hash_of: PVector[bytes | None] | None
-    index: immutables.Map[bytes, Any]
+    by_key: immutables.Map[bytes, Any]
     num_cached: int
     detached: immutables.Map[int, int]
 
@@ -138,7 +136,7 @@ class PoolState:
             return {}
         tag = self.tag_of(member)
         out: dict[bytes, tuple[int, ...]] = {}
-        for key, found in self.index.items():
+        for key, found in self.by_key.items():
             if tag is None or key[-1:] == tag:
                 ids = tuple(sorted(found)) if type(found) is tuple else (found,)
                 out[key if tag is None else key[:-1]] = ids
@@ -159,11 +157,22 @@ class PoolState:
         return (f"PoolState(name={self.name!r}, members={self.members!r}, "
                 f"num_blocks={self.num_blocks}, free={self.num_free})")
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PoolState):
+            return NotImplemented
+        return self is other or self.identity() == other.identity()
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        raise TypeError("unhashable type: 'PoolState'")
+
 
 class PoolCopy:
     """The working copy of a :class:`PoolState` (see the module docstring)."""
 
-    __slots__ = ("caching", "detached", "hash_of", "index", "linked", "members", "num_blocks",
+    __slots__ = ("by_key", "caching", "detached", "hash_of", "linked", "members", "num_blocks",
                  "num_cached", "queue", "refs", "sink", "src", "tagged", "writable")
 
     def __init__(self, pool: PoolState, sink: DeltaBuilder | None) -> None:
@@ -176,7 +185,7 @@ class PoolCopy:
         self.queue: Any = pool.queue.copy()
         self.refs: Any = pool.refs
         self.hash_of: Any = pool.hash_of
-        self.index: Any = pool.index
+        self.by_key: Any = pool.by_key
         self.num_cached = pool.num_cached
         self.detached: Any = pool.detached
         self.sink = sink
@@ -196,7 +205,7 @@ class PoolCopy:
             self.refs = self.refs.evolver()
             if self.caching:
                 self.hash_of = self.hash_of.evolver()
-                self.index = self.index.mutate()
+                self.by_key = self.by_key.mutate()
         self.writable = True
 
     # -- the free queue ---------------------------------------------------------------
@@ -298,7 +307,7 @@ class PoolCopy:
 
     def find(self, key: bytes) -> int | None:
         """The first block cached under ``key``, or None."""
-        found = self.index.get(key)
+        found = self.by_key.get(key)
         if found is None or type(found) is int:
             return found
         first: int = found[0]
@@ -312,9 +321,9 @@ class PoolCopy:
         """Cache each block under its key (none of them holds anything cached)."""
         if not self.writable:
             self.writing()
-        index, hash_of = self.index, self.hash_of
+        index, hash_of = self.by_key, self.hash_of
         if len(keys) > 1 and not any(map(index.__contains__, keys)):
-            index.update(zip(keys, blocks))  # no key cached yet: one call
+            index.update(zip(keys, blocks, strict=True))  # no key cached yet: one call
         else:
             get = index.get
             for b, key in zip(blocks, keys, strict=True):
@@ -327,7 +336,7 @@ class PoolCopy:
 
     def _evict(self, b: int) -> None:
         """Forget what block ``b`` caches; records the E row under its member group's key."""
-        hash_of, index = self.hash_of, self.index
+        hash_of, index = self.hash_of, self.by_key
         key = hash_of[b]
         found = index[key]
         if type(found) is int:
@@ -373,7 +382,7 @@ class PoolCopy:
             if hash_of[b] is not None:
                 hash_of[b] = None
         n, self.num_cached = self.num_cached, 0
-        self.index = EMPTY_MAP.mutate()
+        self.by_key = EMPTY_MAP.mutate()
         return n
 
     # -- freezing ---------------------------------------------------------------------
@@ -383,21 +392,16 @@ class PoolCopy:
         queue = self.queue.frozen()
         if not self.writable and queue is src.queue and self.detached is src.detached:
             return src
-        refs, hash_of, index = self.refs, self.hash_of, self.index
+        refs, hash_of, index = self.refs, self.hash_of, self.by_key
         if self.writable and self.linked:
             refs = refs.persistent()
             if self.caching:
                 hash_of, index = hash_of.persistent(), index.finish()
-        new = object.__new__(PoolState)  # the fields of ``src``, what changed replaced
-        for name, value in zip(_FIELDS, (src.name, src.members, src.num_blocks, queue, refs,
-                                         hash_of, index, self.num_cached, self.detached),
-                               strict=True):
-            _set(new, name, value)
-        self.src = new
-        self.refs, self.hash_of, self.index = refs, hash_of, index
+        new = self.src = _new(PoolState, (src.name, src.members, src.num_blocks, queue, refs,
+                                          hash_of, index, self.num_cached, self.detached))
+        self.refs, self.hash_of, self.by_key = refs, hash_of, index
         self.writable = False  # the queue's working copy goes on from its frozen value
         return new
 
 
-_FIELDS = tuple(a.name for a in attrs.fields(PoolState))
-_set = object.__setattr__
+_new = tuple.__new__

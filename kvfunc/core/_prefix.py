@@ -196,7 +196,7 @@ class _Finder:
         """The first block cached for this group's block ``p``, or None."""
         got = self.memo.get(p, -1)
         if got == -1:
-            found = self.pool.index.get(cache_key(self.digests[(p + 1) * self.m - 1], self.tag))
+            found = self.pool.by_key.get(cache_key(self.digests[(p + 1) * self.m - 1], self.tag))
             got = found if found is None or type(found) is int else found[0]
             self.memo[p] = got
         return None if got is None else int(got)
@@ -204,7 +204,7 @@ class _Finder:
     def scan(self, best: int) -> int:
         """Full attention: the cached blocks of the longest cached prefix up to ``best``."""
         ids = self.scanned
-        index, tag, m = self.pool.index, self.tag, self.m
+        index, tag, m = self.pool.by_key, self.tag, self.m
         for h in self.digests[m - 1:best // self.bs * m:m]:
             found = index.get(h if tag is None else h + tag)
             if found is None:

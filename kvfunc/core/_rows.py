@@ -24,8 +24,9 @@ process.
 The last four fields are the row's *quiet limits*, computed from the policy
 when the row is stored (:func:`~kvfunc.core._policy.row_limits`): a step of
 ``(computed, written, total)`` tokens with ``total <= room``, ``computed <
-slide``, ``written < fill`` and ``computed >= cow_from`` has nothing to do
-in this group, so the fold decides it from the row alone.  A row built but
+slide``, ``computed >= cow_from``, and ``written < fill`` or hashes that do
+not cover ``fill`` tokens, has nothing to do in this group, so the fold
+decides it from the row alone.  A row built but
 not stored yet has limits that send every step to the policy (:data:`ASK`).
 """
 
@@ -50,7 +51,7 @@ class Row(NamedTuple):
     room: int = -1
     slide: int = -1
     fill: int = -1
-    cow_from: int = 0
+    cow_from: int = 1 << 62
 
     @property
     def length(self) -> int:
@@ -59,7 +60,7 @@ class Row(NamedTuple):
 
 
 #: The quiet limits of a row not stored yet: every step asks the policy.
-ASK = (-1, -1, -1, 0)
+ASK = (-1, -1, -1, 1 << 62)
 _new = tuple.__new__
 
 
@@ -69,7 +70,7 @@ def make_row(blocks: tuple[int, ...], nulls: int, stored: int, shared: int, seq:
     >>> make_row((4,), 0, 0, 0, 7).room
     -1
     """
-    return _new(Row, (blocks, nulls, stored, shared, seq, -1, -1, -1, 0))
+    return _new(Row, (blocks, nulls, stored, shared, seq, *ASK))
 
 
 def row_table(row: Row) -> tuple[int, ...]:

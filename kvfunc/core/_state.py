@@ -166,7 +166,7 @@ class KVState:
                       for name, members, size in plan)
         where = {k: j for j, (_, members, _) in enumerate(plan) for k in members}
         return cls(max_model_len, pools,
-                   tuple(GroupState(k, p, where[k], EMPTY_MAP) for k, p in items))
+                   tuple(GroupState.of(k, p, where[k], EMPTY_MAP) for k, p in items))
 
     @classmethod
     def from_cache_info(cls, info: Any, block_num_by_type: Mapping[str, int], max_model_len: int,
@@ -418,7 +418,7 @@ class Transient:
         for i in touched:
             g = groups[i] = copies[i].freeze(group_pool[i])  # type: ignore[union-attr]
             j = group_pool[i]
-            p = pools[j] = pool_copies[j].freeze()  # type: ignore[union-attr]
+            p = pools[j] = pool_copies[j].freeze()
             changed = changed or g is not src.groups[i] or p is not src.pools[j]
         if not changed:
             return src

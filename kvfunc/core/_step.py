@@ -90,7 +90,7 @@ def plan_group(tr: Transient, i: int, g: Any, row: Row | None, computed: int, wr
         cow: tuple[int, ...] = ()
         store = False
         if tr.caching:
-            if row[3] and total:
+            if total and row[3] and computed < row[8]:  # a write below ``cow_from``
                 cow = cow_positions(tr, i, row, computed, total)
             if hashes is not None:
                 done = row[2] if row[2] > nulls else nulls
@@ -282,6 +282,14 @@ def step(tr: Transient, request_id: Any, computed: int, written: int, total: int
         return True
     if not has_room(tr, plans, reserved):
         return False
+    if len(plans) == 1:
+        p = plans[0]
+        row = p.row
+        if (row is not None and p.upto <= row[1] and not (p.nulls or p.cow or p.store)
+                and p.need):  # the common decode step: it grows, nothing else
+            g = tr.copy(p.group)
+            g.put(request_id, g.grow(request_id, row, p.need))
+            return True
     if reserved:  # idle plans were there for their reservation only
         plans = [p for p in plans if p.row is None or p.upto > p.row.nulls or p.nulls
                  or p.need or p.cow or p.store]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id
 from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidTypeError
-from kvfunc.core._fold import check_lookahead, fold, run_entry
+from kvfunc.core._fold import check_hashes, check_lookahead, fold, run_entry
 from kvfunc.core._policy import slid_out
 from kvfunc.core._rows import row_table
 from kvfunc.core._state import (
@@ -138,30 +138,46 @@ def allocate_batch(state: KVState, requests: Iterable[Any], *, lookahead_tokens:
     return BatchResult(tr.settle(), sink.build(), tuple(refused))
 
 
-def free_into(tr: Transient, request_id: RequestId, keys: frozenset[str] | None) -> None:
+def free_into(tr: Transient, request_id: RequestId, keys: frozenset[str] | None,
+              hashes: Any = None) -> None:
     """Release ``request_id`` in the selected groups of ``tr``; unknown ids are a no-op.
 
     Without reference counts the blocks return to the tail in logical order
     (the seed's); with them, last block first, so that a prefix's tail is
-    evicted before its head.
+    evicted before its head.  With ``hashes`` (checked by the caller) the
+    full blocks they cover are cached first.
     """
     for i, view in enumerate(tr.views):
         if keys is not None and view.key not in keys:
             continue
-        if view.rows.get(request_id) is not None:
-            tr.copy(i).release(request_id)
+        row = view.rows.get(request_id)
+        if row is None:
+            continue
+        g = tr.copy(i)
+        if hashes is not None and g.grows:
+            bs = g.block_size
+            upto = min(row.length, hashes.num_tokens // bs)
+            if upto > row.stored and upto > row.nulls:
+                g.put(request_id, g.store(request_id, row, upto, hashes))
+        g.release(request_id)
 
 
 def free_request(state: KVState, request_id: RequestId, *,
-                 manager_keys: Collection[str] | None = None) -> tuple[KVState, BlocksChanged]:
+                 manager_keys: Collection[str] | None = None,
+                 block_hashes: BlockHashes | None = None) -> tuple[KVState, BlocksChanged]:
     """Return every block of a request to its pool.
 
     Without prefix caching the blocks go to the tail of the free queue in
     logical order (the seed's). With it, the blocks are released last block
-    first: those that hold nothing cached go onto a stack that is handed out
-    before any cached block (the most recently freed first), and cached
-    blocks go to the tail of the eviction queue, so that a prefix's tail is
-    evicted before its head.
+    first, as vLLM frees them: those that hold nothing cached re-enter the
+    free queue at its front (reused first), cached ones at its back (evicted
+    last), so that a prefix's tail is evicted before its head.
+
+    With prefix caching, ``block_hashes`` (the request's hashes, covering its
+    tokens so far) caches the full blocks it covers that are not cached yet,
+    before they are released: an engine that does not hash while decoding
+    passes the request's hashes once, here, and its output blocks are
+    cached like its prompt's.
 
     Freeing an unknown or already freed request changes nothing.
 
@@ -176,7 +192,9 @@ def free_request(state: KVState, request_id: RequestId, *,
     keys = check_manager_keys(manager_keys)
     sink = DeltaBuilder()
     tr = Transient.open(state, sink)
-    free_into(tr, request_id, keys)
+    if block_hashes is not None:
+        check_hashes(tr, block_hashes, False)
+    free_into(tr, request_id, keys, block_hashes)
     return tr.settle(), sink.build()
 
 
