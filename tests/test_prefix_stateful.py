@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvfunc as kf
+from kvfunc.testing import shared_sizes
 
 HBS = 4  # hash block size
 PROMPTS = [tuple(range(100, 100 + n)) for n in (6, 13, 16, 20)]  # shared system prompts
@@ -56,11 +57,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.history: list[tuple[kf.KVState, Any]] = []
         self.next_id = 0
 
-    @initialize(groups=_configs())
-    def create(self, groups: dict[str, Any]) -> None:
-        self.state = self.s0 = kf.KVState.create(groups, 64, enable_prefix_caching=True)
+    @initialize(groups=_configs(), layout=st.sampled_from(["per-type", "shared"]))
+    def create(self, groups: dict[str, Any], layout: str) -> None:
+        groups = shared_sizes(groups, layout)
+        self.state = self.s0 = kf.KVState.create(groups, 64, enable_prefix_caching=True,
+                                                 layout=layout)
         self.deltas: list[kf.BlocksChanged] = []
-        self.lru = {k: [] for k in groups}
+        self.pool = {k: self.state.pool_of(k).name for k in groups}  # group -> its pool
+        self.lru = {p: [] for p in self.pool.values()}  # per pool: one eviction order
         self.cached: dict[str, set[int]] = {k: set() for k in groups}  # the model's
 
     # -- helpers ---------------------------------------------------------------------
@@ -88,19 +92,21 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for op in delta.operations():
             kind = type(op).__name__
             event(kind)
-            if isinstance(op, kf.core.Freed) and op.block_id in self.cached[op.key]:
-                self.lru[op.key].append(op.block_id)
-            elif isinstance(op, kf.core.Shared) and op.block_id in self.lru[op.key]:
-                self.lru[op.key].remove(op.block_id)
+            lru = self.lru[self.pool[op.key]] if hasattr(op, "key") else []
+            if isinstance(op, kf.core.Freed) and any(
+                    op.block_id in self.cached[k] for k in self.pool
+                    if self.pool[k] == self.pool[op.key]):
+                lru.append(op.block_id)
+            elif isinstance(op, kf.core.Shared) and op.block_id in lru:
+                lru.remove(op.block_id)
             elif isinstance(op, kf.core.Evicted):
-                lru = self.lru[op.key]
                 assert lru and lru[0] == op.block_id, f"{op.key}: evicted {op.block_id}, {lru}"
                 lru.pop(0)
                 self.cached[op.key].discard(op.block_id)
             elif isinstance(op, kf.core.Stored):
                 self.cached[op.key].add(op.block_id)
             elif isinstance(op, kf.core.Cleared):
-                self.lru[op.key], self.cached[op.key] = [], set()
+                self.lru[self.pool[op.key]], self.cached[op.key] = [], set()
             elif isinstance(op, kf.core.Copied):  # in order, as the shell copies
                 self.content[(op.key, op.dst_block_id)] = self.content.get(
                     (op.key, op.src_block_id))
@@ -287,11 +293,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         for g in self.state.groups:
             assert self.cached[g.key] == self._cached(g.key)
-            free = self.state.pool_of(g.key).free_block_ids()
-            cached_free = [b for b in free if b in self._cached(g.key)]
-            assert cached_free == self.lru[g.key], f"{g.key}: {cached_free} != {self.lru[g.key]}"
-            first = [b in self._cached(g.key) for b in free]
-            assert first == sorted(first), f"{g.key}: a cached free block before an uncached one"
+        for pool in self.state.pools:
+            free = pool.free_block_ids()
+            cached = set().union(*(self._cached(k) for k in pool.members))
+            cached_free = [b for b in free if b in cached]
+            lru = self.lru[pool.name]
+            assert cached_free == lru, f"{pool.name}: {cached_free} != {lru}"
+            first = [b in cached for b in free]
+            assert first == sorted(first), f"{pool.name}: a cached free block before an uncached one"
 
 
 def get_all(state: kf.KVState) -> Any:

@@ -1,0 +1,132 @@
+"""The fold's lane decides nothing of its own: with it or without it, the same states and deltas.
+
+The lane skips the step for entries that a row's quiet limits call quiet
+(``kvfunc.core._fold.LANE``); these tests run random programs with it and
+with every entry through the step, and compare everything.  They also hold
+the limits to the policy's answers they stand for.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvfunc as kf
+import kvfunc.core._fold as fold_module
+from kvfunc.core._policy import blocks_needed, row_limits, skip_mode, slid_out
+from kvfunc.testing import kv_states, programs, run_program, state_snapshot, token_budget
+
+
+@contextmanager
+def lane(on: bool) -> Iterator[None]:
+    """Run with the fold's lane on or off."""
+    before = fold_module.LANE
+    fold_module.LANE = on
+    try:
+        yield
+    finally:
+        fold_module.LANE = before
+
+
+def _run_both(make: Callable[[], list[tuple[Any, Any]]]) -> None:
+    with lane(True):
+        fast = make()
+    with lane(False):
+        slow = make()
+    assert len(fast) == len(slow)
+    for (s1, d1), (s2, d2) in zip(fast, slow, strict=True):
+        assert d1 == d2
+        assert s1 == s2 and state_snapshot(s1) == state_snapshot(s2)
+
+
+@settings(max_examples=60)
+@given(kv_states().flatmap(lambda s: st.tuples(st.just(s), programs(
+    s.manager_keys, max_tokens=token_budget(s)))))
+def test_the_lane_equals_the_step_on_random_programs(case: tuple[kf.KVState, Any]) -> None:
+    """Random programs (allocations, batches, frees, recycles, either layout, any order of
+    reuse): the same state and delta after every operation with the lane and without."""
+    state, program = case
+
+    def make() -> list[tuple[Any, Any]]:
+        return [(step.after, step.delta) for step in run_program(state, program)]
+    _run_both(make)
+
+
+def _caching_traffic(seed: int, layout: str) -> list[tuple[Any, Any]]:
+    """Admissions with hits, decodes (hashes given or not), frees with hashes, forks."""
+    rng = random.Random(seed)
+    n = 48
+    groups: dict[str, Any] = {"full": kf.FullAttention(num_blocks=n, block_size=4)}
+    if rng.random() < 0.6:
+        groups["swa"] = kf.SlidingWindow(num_blocks=n, block_size=4, sliding_window=8)
+    state = kf.KVState.create(groups, 256, enable_prefix_caching=True, layout=layout)
+    prompts = [[rng.randrange(3) for _ in range(rng.randint(1, 20))] for _ in range(4)]
+    toks: dict[int, list[int]] = {}
+    out: list[tuple[Any, Any]] = []
+    for rid in range(40):
+        live = list(toks)
+        roll = rng.random()
+        if roll < 0.3 or not live:
+            t = toks[rid] = list(rng.choice(prompts)) + [rng.randrange(9) for _ in range(3)]
+            h = kf.BlockHashes.of(t, 4)
+            hit = kf.lookup_prefix(state, h, max_tokens=len(t) - 1)
+            r = kf.allocate_slots(state, rid, hit.num_tokens, len(t) - hit.num_tokens,
+                                  block_hashes=h, prefix_hit=hit)
+            if not r.ok:
+                del toks[rid]
+            state = r.state
+            out.append((state, r.delta))
+        elif roll < 0.8:
+            entries = []
+            for r_id in live:
+                t = toks[r_id]
+                t.append(rng.randrange(9))
+                eager = rng.random() < 0.5
+                h = kf.BlockHashes.of(t if eager else t[:-1], 4)
+                entries.append(kf.SlotRequest(r_id, len(t) - 1, 1, block_hashes=h))
+            res = kf.allocate_batch(state, entries)
+            for r_id in res.refused:
+                toks[r_id].pop()
+            state = res.state
+            out.append((state, res.delta))
+        else:
+            victim = rng.choice(live)
+            state, d = kf.free_request(state, victim,
+                                       block_hashes=kf.BlockHashes.of(toks.pop(victim), 4))
+            out.append((state, d))
+        kf.check_invariants(state)
+    return out
+
+
+@settings(max_examples=40)
+@given(st.integers(0, 10**6), st.sampled_from(["per-type", "shared"]))
+def test_the_lane_equals_the_step_with_prefix_caching(seed: int, layout: str) -> None:
+    """Caching traffic with hits, eager and lazy hashing, and frees that cache: the same
+    states and deltas with the lane and without, in either layout."""
+    _run_both(lambda: _caching_traffic(seed, layout))
+
+
+@given(st.data())
+def test_row_limits_stand_for_the_policy_answers(data: st.DataObject) -> None:
+    """Within a row's quiet limits the policy recycles nothing and needs no block; at each
+    limit it does (the limits are tight, so the lane sends every busy entry to the step)."""
+    bs = data.draw(st.sampled_from([1, 2, 4, 16]))
+    policy: Any = data.draw(st.sampled_from([
+        kf.FullAttention(num_blocks=64, block_size=bs),
+        kf.SlidingWindow(num_blocks=64, block_size=bs,
+                         sliding_window=data.draw(st.integers(0, 40)))]))
+    traits = (bs, policy.grows_with_tokens, skip_mode(policy), policy.window)
+    held = data.draw(st.integers(1, 12))
+    nulls = data.draw(st.integers(0, held))
+    room, slide, _, _ = row_limits(policy, traits, False, held, nulls, 0, 0)
+    assert room == held * bs
+    for computed in range(0, room + 2 * bs + 2):
+        upto = slid_out(policy, traits[2], computed, held)
+        assert (upto > nulls) == (computed >= slide), (computed, slide, upto, nulls)
+    for total in range(0, room + bs + 1):
+        assert (blocks_needed(policy, True, held, total) != (0, 0)) == (total > room)
