@@ -300,7 +300,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             lru = self.lru[pool.name]
             assert cached_free == lru, f"{pool.name}: {cached_free} != {lru}"
             first = [b in cached for b in free]
-            assert first == sorted(first), f"{pool.name}: a cached free block before an uncached one"
+            assert first == sorted(first), f"{pool.name}: cached free before uncached"
 
 
 def get_all(state: kf.KVState) -> Any:
