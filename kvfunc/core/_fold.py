@@ -180,62 +180,65 @@ def check_hit(tr: Transient, request_id: Any, computed: int, keys: Any, hashes: 
             raise InvalidArgumentError(msg)
 
 
-def run_entry(tr: Transient, rid: Any, computed: Any, new: Any, la: Any, reserved: Any,
-              keys: Any, hashes: Any, hit: Any, mapping: Mapping[Any, Any] | None) -> bool:
-    """One entry, given as its fields: checked, then the lane or the step; False if refused.
+def run_entry(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] | None) -> Any:
+    """One entry of any form: checked, then the lane or the step; its request id if refused.
 
-    The common form (no reservation, no manager-key subset, no hit) is
-    checked inline, with the same checks :func:`check_entry` makes; anything
-    else goes through :func:`check_entry`, which raises the precise error or
-    normalises it.  ``mapping`` is ``allocate_batch``'s ``block_hashes``.
+    The common forms (a plain 3-tuple; a ``SlotRequest`` or 8-tuple with no
+    reservation, manager-key subset or hit) are checked inline, with the
+    same checks :func:`check_entry` makes; anything else goes through
+    :func:`check_entry`, which raises the precise error or normalises it.
+    ``mapping`` is ``allocate_batch``'s ``block_hashes``.  Returns None when
+    the entry is served.
     """
-    t = type(rid)
-    if ((t is int or t is str) and type(computed) is int and type(new) is int
-            and (computed | new) >= 0 and type(la) is int and new + la >= 0
-            and reserved == 0 and type(reserved) is int and keys is None and hit is None):
-        if hashes is None and mapping is not None:
-            hashes = mapping.get(rid)
-        if hashes is not None and (type(hashes) is not BlockHashes
-                                   or hashes.block_size not in tr.checked):
-            check_hashes(tr, hashes, False)
-        written = computed + new
-        total = written + la
-        limit = tr.max_model_len
-        if total > limit or written > limit:
-            computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
-        if LANE:  # quiet in every group: the rows' limits say so (see ``_rows``)
-            cover = 0 if hashes is None else hashes.num_tokens
-            for view in tr.views:
-                row = view.rows.get(rid)
-                if (row is None or total > row[5] or computed >= row[6] or computed < row[8]
-                        or (written >= row[7] and cover >= row[7])):
-                    break
-            else:
-                return True
-        return step(tr, rid, computed, written, total, 0, None, hashes, None)
-    rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
-        tr, (rid, computed, new, la, reserved, keys, hashes, hit), la, mapping)
-    return step(tr, rid, computed, written, total, reserved, keys, hashes, hit)
+    te = type(e)
+    if te is tuple and len(e) == 3:
+        rid, computed, new = e
+        la, hashes = lookahead, None
+        t = type(rid)
+        plain = ((t is int or t is str) and type(computed) is int and type(new) is int
+                 and (computed | new) >= 0 and new + la >= 0)
+    elif te is SlotRequest or (te is tuple and len(e) == 8):
+        rid, computed, new, la, reserved, keys, hashes, hit = e
+        t = type(rid)
+        plain = ((t is int or t is str) and type(computed) is int and type(new) is int
+                 and (computed | new) >= 0 and type(la) is int and new + la >= 0
+                 and reserved == 0 and type(reserved) is int and keys is None and hit is None)
+    else:
+        plain = False
+    if not plain:
+        rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
+            tr, e, lookahead, mapping)
+        return None if step(tr, rid, computed, written, total, reserved, keys, hashes,
+                            hit) else rid
+    if hashes is None and mapping is not None:
+        hashes = mapping.get(rid)
+    if hashes is not None and (type(hashes) is not BlockHashes
+                               or hashes.block_size not in tr.checked):
+        check_hashes(tr, hashes, False)
+    written = computed + new
+    total = written + la
+    limit = tr.max_model_len
+    if total > limit or written > limit:
+        computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
+    if LANE:  # quiet in every group: the rows' limits say so (see ``_rows``)
+        for view in tr.views:
+            row = view.rows.get(rid)
+            if (row is None or total > row[5] or computed >= row[6] or computed < row[8]
+                    or (written >= row[7] and hashes is not None
+                        and hashes.num_tokens >= row[7])):
+                break
+        else:
+            return None
+    return None if step(tr, rid, computed, written, total, 0, None, hashes, None) else rid
 
 
 def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] | None = None,
          lookahead: int = 0) -> Sequence[Any]:
     """Run :func:`run_entry` for every entry in order on ``tr``; the refused request ids."""
-    refused: list[Any] | None = None
+    refused: list[Any] = []
     mapping = block_hashes if tr.caching else None
     for e in entries:
-        te = type(e)
-        if te is tuple and len(e) == 3:
-            rid, computed, new = e
-            ok = run_entry(tr, rid, computed, new, lookahead, 0, None, None, None, mapping)
-        elif te is SlotRequest or (te is tuple and len(e) == 8):
-            rid, computed, new, la, reserved, keys, hashes, hit = e
-            ok = run_entry(tr, rid, computed, new, la, reserved, keys, hashes, hit, mapping)
-        else:
-            rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
-                tr, e, lookahead, mapping)
-            ok = step(tr, rid, computed, written, total, reserved, keys, hashes, hit)
-        if not ok:
-            refused = refused or []
+        rid = run_entry(tr, e, lookahead, mapping)
+        if rid is not None:
             refused.append(rid)
-    return refused or ()
+    return refused

@@ -88,8 +88,14 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
         check_state(state)
     sink = DeltaBuilder()
     tr = Transient.open(state, sink)
-    if not run_entry(tr, request_id, computed_tokens, num_new_tokens, lookahead_tokens,
-                     reserved_tokens, manager_keys, block_hashes, prefix_hit, None):
+    if (lookahead_tokens.__class__ is int and not lookahead_tokens
+            and reserved_tokens.__class__ is int and not reserved_tokens
+            and manager_keys is None and block_hashes is None and prefix_hit is None):
+        entry: tuple[Any, ...] = (request_id, computed_tokens, num_new_tokens)
+    else:
+        entry = (request_id, computed_tokens, num_new_tokens, lookahead_tokens, reserved_tokens,
+                 manager_keys, block_hashes, prefix_hit)
+    if run_entry(tr, entry, 0, None) is not None:
         same = tr.settle()  # a refusal changed nothing: the working copy still reads ``state``
         assert same is state, "a refused allocation changed the state"
         return _new(AllocationResult, (False, state, EMPTY_DELTA))
