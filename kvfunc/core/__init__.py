@@ -5,7 +5,8 @@ modules, by what they hold:
 
 * metadata and sizing: ``_cache_info``, ``_dtypes``, ``_validate``, ``_sizing``,
   ``_sizing_config``;
-* policies (one per attention type): ``_policy``;
+* policies (one per attention type): ``_policies``; the questions the
+  allocator asks them, one function each: ``_policy``;
 * the state: ``_state`` (the state, its layouts and its working copy),
   ``_group`` (a group's rows and primitives), ``_rows`` (block tables),
   ``_pool`` (the block pool: free queue, reference counts, hash index,
@@ -71,15 +72,15 @@ from kvfunc.core._ops import (
     Shared,
     Stored,
 )
-from kvfunc.core._policy import (
+from kvfunc.core._policies import (
     FullAttention,
     Mamba,
-    Policy,
     SlidingWindow,
     policy_class,
     register_policy,
     registered_attn_types,
 )
+from kvfunc.core._policy import Policy
 from kvfunc.core._pool import PoolState
 from kvfunc.core._prefix import PrefixHit, lookup_prefix
 from kvfunc.core._prefix_ops import (

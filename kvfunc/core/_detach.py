@@ -19,7 +19,8 @@ import attrs
 from kvfunc.core._checks import check_request_id, excerpt
 from kvfunc.core._delta import BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import BlockIndexError, InvalidArgumentError, InvalidTypeError
-from kvfunc.core._state import BlockId, KVState, RequestId, Transient, check_state
+from kvfunc.core._state import BlockId, KVState, RequestId, check_state
+from kvfunc.core._transient import Transient
 
 __all__ = ["DetachResult", "detach_request", "evict_blocks", "free_detached"]
 

@@ -33,8 +33,8 @@ from kvfunc.core._checks import check_count, check_manager_keys, check_request_i
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 from kvfunc.core._hashing import BlockHashes
 from kvfunc.core._prefix import PrefixHit
-from kvfunc.core._state import Transient
 from kvfunc.core._step import step
+from kvfunc.core._transient import Transient
 
 __all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "run_entry",
            "slot_entry"]

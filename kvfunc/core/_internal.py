@@ -13,7 +13,8 @@ from kvfunc.core._group import GroupCopy
 from kvfunc.core._pool import PoolCopy
 from kvfunc.core._rows import Row, row_table
 from kvfunc.core._sizing import calculate_block_num_lazy
-from kvfunc.core._state import FrozenDict, Transient, group_cache_entries, usage_string
+from kvfunc.core._state import FrozenDict, group_cache_entries, usage_string
+from kvfunc.core._transient import Transient
 from kvfunc.core._transitions import free_into, recycle_into
 from kvfunc.core._validate import mamba_entry, positive_field
 

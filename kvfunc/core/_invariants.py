@@ -29,7 +29,7 @@ def check_invariants(state: KVState) -> None:
       both directions, and each row's ``shared`` and ``stored`` counters are
       sound.
 
-    >>> from kvfunc.core._policy import FullAttention
+    >>> from kvfunc.core._policies import FullAttention
     >>> check_invariants(KVState.create({"f": FullAttention(num_blocks=5, block_size=4)}, 64))
     """
     check_state(state)

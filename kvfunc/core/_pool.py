@@ -15,23 +15,20 @@ Two kinds, chosen when the state is made:
   queue, :class:`~kvfunc.core._queue.Linked`, plus ``refs`` (table entries
   and detached holders per block) and, with caching, ``hash_of`` (the key
   each cached block is stored under) and ``by_key`` (key -> block id, or a
-  tuple of ids in the order they were cached when one key names several
-  copies; a hit takes the first, as vLLM's does).  A block whose last holder
-  goes re-enters the queue at the front when it holds nothing cached (reused
-  first) and at the back when it does (evicted last, least recently freed
-  first); a cached block keeps its key while it waits and is *evicted* only
-  when it is handed out again.  A hit on a free cached block takes it out of
-  the middle of the queue.
+  tuple of ids in cache order; a hit takes the first, as vLLM's does).  A
+  block nobody holds re-enters the queue at the front when it caches nothing
+  (reused first), else at the back (evicted last: least recently freed
+  first); it keeps its key while it waits and is *evicted* only when handed
+  out again.  A hit on a free cached block takes it out of the queue.
 
 In a pool shared by several groups the same block hash of two groups names
 different KV, so a key is the digest followed by one byte naming the group
 (its position among the pool's members); a pool with one member uses the
 digest itself.
 
-Conservation: ``free + held + detached == num_blocks - 1``, where ``held``
-counts the distinct non-null blocks of the member groups' tables and
-``detached`` the blocks taken for a holder outside the tables (the seed's
-``BlockPool.get_new_blocks``, vLLM's deferred frees).
+Conservation: ``free + held + detached == num_blocks - 1`` (``detached``:
+held outside the tables, as the seed's ``BlockPool.get_new_blocks`` and
+vLLM's deferred frees do).
 
 :class:`PoolCopy` is the working copy one transition edits.  Its
 primitives record the pool's own delta rows (freed, evicted) as they act.

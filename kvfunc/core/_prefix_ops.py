@@ -11,7 +11,8 @@ from kvfunc.core._delta import BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, UnknownRequestError
 from kvfunc.core._prefix import require_caching
 from kvfunc.core._rows import make_row, row_table
-from kvfunc.core._state import KVState, RequestId, Transient, check_state, find_group
+from kvfunc.core._state import KVState, RequestId, check_state, find_group
+from kvfunc.core._transient import Transient
 
 __all__ = ["PrefixCacheStats", "fork_request", "num_cached_blocks", "reset_prefix_cache"]
 

@@ -41,7 +41,8 @@ from kvfunc.core._ops import (
 )
 from kvfunc.core._pool import cache_key
 from kvfunc.core._rows import Row, make_row
-from kvfunc.core._state import KVState, Transient, check_state
+from kvfunc.core._state import KVState, check_state
+from kvfunc.core._transient import Transient
 
 __all__ = ["apply_delta_into", "replay"]
 

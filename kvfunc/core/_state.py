@@ -17,13 +17,8 @@ state is made (``layout=``):
 A mapping ``{pool name: [manager keys]}`` names any other grouping.  Every
 group of a pool states the pool's size as its policy's ``num_blocks``.
 
-A :class:`Transient` is the working copy of a state that one transition (or
-the compat facade, between calls) edits: a group's
-:class:`~kvfunc.core._group.GroupCopy` and its pool's
-:class:`~kvfunc.core._pool.PoolCopy` are made on first write, and
-:meth:`Transient.freeze` builds the new state from what changed.  The input
-state is never touched, so a refusal returns it and an error leaves it as
-it was.
+A :class:`~kvfunc.core._transient.Transient` is the working copy of a state
+that one transition edits (``_transient``).
 """
 
 from __future__ import annotations
@@ -34,14 +29,14 @@ from typing import Any, NoReturn, TypeVar
 import attrs
 
 from kvfunc.core._checks import MAX_NUM_BLOCKS, excerpt
-from kvfunc.core._delta import DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, UnknownRequestError
-from kvfunc.core._group import GroupCopy, GroupState
-from kvfunc.core._policy import Policy, check_hints, policies_by_key, policy_class
-from kvfunc.core._pool import EMPTY_MAP, PoolCopy, PoolState
+from kvfunc.core._group import GroupState
+from kvfunc.core._policies import policies_by_key, policy_class
+from kvfunc.core._policy import Policy, check_hints
+from kvfunc.core._pool import EMPTY_MAP, PoolState
 
 __all__ = [
-    "LAYOUTS", "NULL_BLOCK", "BlockId", "FrozenDict", "KVState", "RequestId", "Transient",
+    "LAYOUTS", "NULL_BLOCK", "BlockId", "FrozenDict", "KVState", "RequestId",
     "check_state", "find_group", "usage_string",
 ]
 
@@ -96,7 +91,7 @@ class KVState:
     States are values: equal when their pools and groups are equal, never
     mutated.  Keeping an old state costs only what later states changed.
 
-    >>> from kvfunc.core._policy import FullAttention, SlidingWindow
+    >>> from kvfunc.core._policies import FullAttention, SlidingWindow
     >>> s = KVState.create({"full": FullAttention(num_blocks=20, block_size=16),
     ...                     "swa": SlidingWindow(num_blocks=10, block_size=16,
     ...                                          sliding_window=64)},
@@ -134,7 +129,7 @@ class KVState:
         is ``"seed"`` (FIFO reuse) or ``"vllm"`` (vLLM's free queue: reuse
         last in, first out); prefix caching always keeps vLLM's order.
 
-        >>> from kvfunc.core._policy import FullAttention, SlidingWindow
+        >>> from kvfunc.core._policies import FullAttention, SlidingWindow
         >>> KVState.create({"full": FullAttention(num_blocks=3, block_size=4)}, 64)
         KVState(max_model_len=64, groups=('full',), usage='full:1/3')
         >>> s = KVState.create({"full": FullAttention(num_blocks=8, block_size=4),
@@ -296,141 +291,6 @@ def _named_pools(layout: Mapping[Any, Any], keys: list[str]) -> list[tuple[str, 
         msg = f"layout must place every manager key in exactly one pool, got {excerpt(layout)}"
         raise InvalidArgumentError(msg)
     return out
-
-
-class Transient:
-    """The working copy of a :class:`KVState` (see the module docstring).
-
-    ``views[i]`` is what group ``i`` reads from and ``pools[j]`` what pool
-    ``j`` reads from: the published value until :meth:`copy` / :meth:`pool`
-    makes its working copy.  Nothing is copied before the first write, and a
-    transition only freezes the groups it wrote to (``touched``), so one that
-    changes nothing costs a few attribute reads.
-    """
-
-    __slots__ = ("caching", "checked", "copies", "epoch", "group_pool", "max_model_len",
-                 "pool_copies", "pools", "seq", "sink", "src", "touched", "views")
-
-    def __init__(self, state: KVState, sink: DeltaBuilder | None = None) -> None:
-        self.src = state
-        self.max_model_len = state.max_model_len
-        self.sink = sink
-        self.seq = state.seq
-        shape = state._shape
-        if shape is None:
-            shape = (tuple(g.pool for g in state.groups), state.prefix_caching, set())
-            _set(state, "_shape", shape)
-        self.group_pool, self.caching, self.checked = shape
-        self.views: Any = state.groups
-        self.pools: Any = state.pools
-        self.copies: list[GroupCopy | None] | None = None
-        self.pool_copies: list[PoolCopy | None] | None = None
-        self.touched: list[int] = []  # the groups this transition wrote to, in order
-        self.epoch = 0  # counts the working copies made (what ``views`` reads from changed)
-
-    @classmethod
-    def open(cls, state: KVState, sink: DeltaBuilder) -> Transient:
-        """A working copy of ``state`` for one transition recording into ``sink``.
-
-        When ``state`` is the one the last transition of its lineage made, that
-        transition's working copy goes on: its copies already read exactly
-        ``state``, so nothing is copied again.
-        """
-        cont = state._cont
-        if cont:
-            try:
-                tr: Transient = cont.pop()
-            except IndexError:  # another transition took it first
-                return cls(state, sink)
-            tr.sink = sink  # parked by :meth:`settle`: it reads exactly ``state``
-            return tr
-        return cls(state, sink)
-
-    def settle(self) -> KVState:
-        """:meth:`freeze`, and leave this working copy with the new state for the next one."""
-        state = self.freeze()
-        cont = state._cont
-        if cont is None:
-            _set(state, "_cont", [self])
-        else:  # two transitions that changed nothing may both park here: either will do
-            cont.append(self)
-        return state
-
-    def copy(self, i: int) -> GroupCopy:
-        """The working copy of group ``i``, to write to (made on first use, with its pool's)."""
-        copies = self.copies
-        if copies is None:
-            copies = self.copies = [None] * len(self.views)
-            self.views = list(self.views)
-        g = copies[i]
-        if g is None:
-            g = copies[i] = self.views[i] = GroupCopy(self.views[i], self.pool(self.group_pool[i]),
-                                                      self.sink)
-            g.pool.sink = self.sink  # a pool another group copied earlier records here too
-            self.epoch += 1
-            self.touched.append(i)
-        elif i not in self.touched:  # first write of this transition: record into its delta
-            g.sink = g.pool.sink = self.sink
-            self.touched.append(i)
-        return g
-
-    def pool(self, j: int) -> PoolCopy:
-        """The working copy of pool ``j`` (made on first use; written through a group's)."""
-        copies = self.pool_copies
-        if copies is None:
-            copies = self.pool_copies = [None] * len(self.pools)
-            self.pools = list(self.pools)
-        p = copies[j]
-        if p is None:
-            p = copies[j] = self.pools[j] = PoolCopy(self.pools[j], self.sink)
-        return p
-
-    def free_count(self, j: int) -> int:
-        """Free blocks of pool ``j`` now."""
-        pool = self.pools[j]
-        count: int = pool.queue.count
-        return count
-
-    def all_copies(self) -> list[GroupCopy]:
-        """Every group's working copy."""
-        return [self.copy(i) for i in range(len(self.views))]
-
-    def index(self, key: str) -> int:
-        """The position of ``key``'s group."""
-        return list(self.views).index(find_group(self.views, key))
-
-    def group(self, key: str) -> GroupCopy:
-        """The working copy of ``key``'s group."""
-        return self.copy(self.index(key))
-
-    def freeze(self) -> KVState:
-        """The current state as a value (the input state when nothing changed)."""
-        touched = self.touched
-        src = self.src
-        if not touched:
-            return src
-        self.touched = []
-        copies, pool_copies, group_pool = self.copies, self.pool_copies, self.group_pool
-        assert copies is not None and pool_copies is not None
-        groups = list(src.groups)
-        pools = list(src.pools)
-        changed = False
-        for i in touched:
-            g = groups[i] = copies[i].freeze(group_pool[i])  # type: ignore[union-attr]
-            j = group_pool[i]
-            p = pools[j] = pool_copies[j].freeze()
-            changed = changed or g is not src.groups[i] or p is not src.pools[j]
-        if not changed:
-            return src
-        state = object.__new__(KVState)
-        _set(state, "max_model_len", self.max_model_len)
-        _set(state, "pools", tuple(pools))
-        _set(state, "groups", tuple(groups))
-        _set(state, "seq", self.seq)
-        _set(state, "_shape", src._shape)
-        _set(state, "_cont", None)
-        self.src = state
-        return state
 
 
 def check_state(value: object, what: str = "state") -> KVState:

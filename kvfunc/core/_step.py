@@ -36,7 +36,7 @@ from kvfunc.core._group import GroupCopy
 from kvfunc.core._policy import blocks_needed, slid_out
 from kvfunc.core._pool import cache_key
 from kvfunc.core._rows import Row, leading_nulls
-from kvfunc.core._state import Transient
+from kvfunc.core._transient import Transient
 
 __all__ = ["Plan", "apply_plans", "has_room", "plan_group", "step"]
 

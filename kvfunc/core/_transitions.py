@@ -18,15 +18,8 @@ from kvfunc.core._errors import InvalidTypeError
 from kvfunc.core._fold import check_hashes, check_lookahead, fold, run_entry
 from kvfunc.core._policy import slid_out
 from kvfunc.core._rows import row_table
-from kvfunc.core._state import (
-    BlockId,
-    KVState,
-    RequestId,
-    Transient,
-    check_state,
-    find_group,
-    usage_string,
-)
+from kvfunc.core._state import BlockId, KVState, RequestId, check_state, find_group, usage_string
+from kvfunc.core._transient import Transient
 
 if TYPE_CHECKING:
     from kvfunc.core._hashing import BlockHashes

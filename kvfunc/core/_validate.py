@@ -22,7 +22,7 @@ from kvfunc.core._cache_info import (
     as_listed,
 )
 from kvfunc.core._errors import InvalidCacheInfo
-from kvfunc.core._policy import registered_attn_types
+from kvfunc.core._policies import registered_attn_types
 
 __all__ = ["FIXED_BLOCK_ATTN_TYPES", "SUPPORTED_CACHE_LAYOUTS", "validate_cache_info"]
 
