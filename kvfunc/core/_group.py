@@ -114,7 +114,7 @@ class GroupCopy:
         self.pool = pool
         self.caching = pool.caching
         self.member = pool.members.index(group.key) if pool.tagged else 0
-        self.tag = pool.tag(self.member)
+        self.tag = pool.tag_of(group.key)
         self.rows: Any = group.rows.mutate()
         self.sink = sink
         self.changed = False

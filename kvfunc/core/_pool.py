@@ -298,10 +298,6 @@ class PoolCopy:
         """The index tag of a member group (None when it is the only member)."""
         return bytes((self.members.index(member),)) if self.tagged else None
 
-    def tag(self, member: int) -> bytes | None:
-        """The index tag of the pool's ``member``-th group (None for a pool's only group)."""
-        return bytes((member,)) if self.tagged else None
-
     def find(self, key: bytes) -> int | None:
         """The first block cached under ``key``, or None."""
         found = self.by_key.get(key)
