@@ -12,14 +12,16 @@ next event that gives it work.  The run repeatedly takes the earliest of:
    (the pull succeeds: the prefill instance frees the blocks, the decode
    instance runs the request from its next step);
 2. an arrival: the request goes to the prefill instance whose cache holds
-   the longest prefix of its prompt, the least loaded among equals (a request
-   that could not run on an empty decode instance, or prefill on an empty
-   prefill instance, is rejected there);
+   the longest prefix of its prompt, the least loaded among equals, and
+   among those the next in turn (a request that could not run on an empty
+   decode instance, or prefill on an empty prefill instance, is rejected
+   there);
 3. the step of the instance whose clock is earliest (prefill instances first
    on a tie).
 
 Transfers find decode room in the order their prefills finished: the first
-waiting one goes to the least loaded decode instance that has a seat
+waiting one goes to the least loaded decode instance (the next in turn
+among equals) that has a seat
 (``--concurrency`` requests running, recomputing or arriving) and blocks for
 its prompt, and takes none while it has preempted requests of its own to
 recompute.  If no decode instance has room, it and every transfer behind it
@@ -46,7 +48,7 @@ from kvfunc.cli._disagg_instances import DecodeInstance, PrefillInstance
 from kvfunc.cli._disagg_link import TransferLedger
 from kvfunc.cli._disagg_report import build_result
 from kvfunc.cli._errors import CLIError
-from kvfunc.cli._inputs import MAX_STATE_BLOCKS
+from kvfunc.cli._inputs import MAX_STATE_BLOCKS, check_state_size
 from kvfunc.cli._plan import PlanConfig, plan_model
 from kvfunc.cli._prefix import PrefixCacher, hash_block_size
 from kvfunc.cli._scheduler import SchedulerConfig
@@ -60,10 +62,29 @@ Progress = Callable[[int, int], None]
 #: The most blocks of all instances' states together (each costs host memory).
 MAX_RUN_BLOCKS = 2 * MAX_STATE_BLOCKS
 #: The run's series, sampled at every step of every instance (see :class:`DisaggResult`).
-SERIES = ("prefill_waiting", "prefill_running", "prefill_held", "wait_room", "on_link",
+SERIES = ("prefill_waiting", "prefill_running", "wait_room", "on_link",
           "decode_running", "decode_waiting", "bytes_moved", "prefill_preemptions",
           "decode_preemptions", "prompt_tokens", "hit_tokens")
 _READY, _START, _END = 0, 1, 2
+
+
+def _size(config: DisaggConfig) -> tuple[dict[str, int], KVState, KVState]:
+    """Bytes per block of each group, and an empty prefill and decode state (checked bounds)."""
+    base = config.base
+    plan = plan_model(base.model, PlanConfig(
+        base.budget, concurrency=base.concurrency,
+        max_prefill_tokens=base.max_batched_tokens, max_len=base.model_len))
+    check_state_size({g.manager_key: g.num_blocks for g in plan.groups},
+                     fix="lower --memory or --concurrency, or raise --block-size")
+    blocks = sum(g.num_blocks for g in plan.groups)
+    total = blocks * (config.num_prefill + config.num_decode)
+    if total > MAX_RUN_BLOCKS:
+        raise CLIError(f"{config.ratio} instances of {blocks:,} blocks each would hold "
+                       f"{total:,}; kvfunc simulates at most {MAX_RUN_BLOCKS:,} in all (each "
+                       "costs host memory): lower --memory or the instances")
+    p_state = build_state(base)
+    d_state = build_state(attrs.evolve(base, prefix_caching=False))
+    return {g.manager_key: g.block_bytes for g in plan.groups}, p_state, d_state
 
 
 class _Run:
@@ -72,18 +93,7 @@ class _Run:
     def __init__(self, config: DisaggConfig) -> None:
         base = config.base
         self.config = config
-        plan = plan_model(base.model, PlanConfig(
-            base.budget, concurrency=base.concurrency,
-            max_prefill_tokens=base.max_batched_tokens, max_len=base.model_len))
-        blocks = sum(g.num_blocks for g in plan.groups)
-        total = blocks * (config.num_prefill + config.num_decode)
-        if total > MAX_RUN_BLOCKS:
-            raise CLIError(f"{config.ratio} instances of {blocks:,} blocks each would hold "
-                           f"{total:,}; kvfunc simulates at most {MAX_RUN_BLOCKS:,} in all (each "
-                           "costs host memory): lower --memory or the instances")
-        self.block_bytes = {g.manager_key: g.block_bytes for g in plan.groups}
-        p_state = build_state(base)
-        d_state = build_state(attrs.evolve(base, prefix_caching=False))
+        self.block_bytes, p_state, d_state = _size(config)
         self.requests = requests = base.trace.requests
         sched = SchedulerConfig(max_num_seqs=base.concurrency,
                                 max_batched_tokens=base.max_batched_tokens,
@@ -100,6 +110,7 @@ class _Run:
         n = len(requests)
         self.arrival = [r.arrival_s / base.speedup for r in requests]
         self.origin = [-1] * n
+        self.turn = [0, 0]  # among equals, prefill and decode instances take turns
         self.next = 0
         self.events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, rid)
         self.seq = 0
@@ -132,11 +143,14 @@ class _Run:
                 and allocate_slots(p_state, -1, 0, r.prompt_tokens).ok)
 
     def _route(self, rid: int) -> PrefillInstance:
-        prefix, prompt = self.prefix, self.requests[rid].prompt_tokens
-        if prefix is None or len(self.prefill) == 1:
-            return min(self.prefill, key=lambda p: (p.load, p.index))
-        hits = {p.index: prefix.lookup(p.state, rid, prompt).num_tokens for p in self.prefill}
-        return min(self.prefill, key=lambda p: (-hits[p.index], p.load, p.index))
+        prefix, prompt, n = self.prefix, self.requests[rid].prompt_tokens, len(self.prefill)
+        hits = ({p.index: prefix.lookup(p.state, rid, prompt).num_tokens for p in self.prefill}
+                if prefix is not None and n > 1 else {})
+        turn = self.turn[0]
+        inst = min(self.prefill, key=lambda p: (-hits.get(p.index, 0), p.load,
+                                                (p.index - turn) % n))
+        self.turn[0] = inst.index + 1
+        return inst
 
     def _arrive(self, rid: int) -> None:
         now = self.arrival[rid]
@@ -200,13 +214,15 @@ class _Run:
         prompt = self.requests
         while self.pending:
             rid = self.pending[0]
+            turn, n = self.turn[1], len(self.decode)
             takers = sorted((d for d in self.decode if d.can_take),
-                            key=lambda d: (d.load, d.index))
+                            key=lambda d: (d.load, (d.index - turn) % n))
             target = next((d for d in takers if d.reserve(rid, prompt[rid].prompt_tokens)),
                           None)
             if target is None:
                 return
             self.pending.popleft()
+            self.turn[1] = target.index + 1
             # a decode instance takes a pull when its scheduler runs, between steps: its state
             # is as of the end of its last step, and the room is there from then
             made = target.times[-1] if target.times else now
@@ -246,7 +262,7 @@ class _Run:
         for name, value in (
                 ("prefill_waiting", sum(len(i.waiting) for i in p)),
                 ("prefill_running", sum(len(i.running) for i in p)),
-                ("prefill_held", sum(i.held for i in p)), ("wait_room", len(self.pending)),
+                ("wait_room", len(self.pending)),
                 ("on_link", len(self.in_flight)),
                 ("decode_running", sum(len(i.running) for i in d)),
                 ("decode_waiting", sum(len(i.waiting) for i in d)),

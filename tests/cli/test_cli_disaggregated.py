@@ -22,7 +22,8 @@ from kvfunc.cli._disagg_run import _Run, run_disaggregated
 from kvfunc.core import KVState, allocate_slots, check_invariants, get_block_ids
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_run import run_main  # the helper beside this file
+from cli_run import run_main  # the helpers beside this file
+from test_cli_hostile import assert_one_line_exit_2
 
 GIB = 2**30
 
@@ -181,3 +182,43 @@ def test_the_command_prints_the_report(capsys: pytest.CaptureFixture[str],
                "waiting for the link", "time to first token", "time between tokens",
                "links 25 GB/s")
     assert (0, []) == (code, [n for n in needles if n not in out])
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--disaggregated", "1"], "--disaggregated takes P:D, prefill and decode instances"),
+    (["--disaggregated", "1:1:1"], "--disaggregated takes P:D"),
+    (["--disaggregated", "a:b"], "--disaggregated takes P:D"),
+    (["--disaggregated", "1.5:1"], "--disaggregated takes P:D"),
+    (["--disaggregated", "-1:1"], "got '-1:1'"),
+    (["--disaggregated", "9" * 5000 + ":1"], "like 1:1 or 2:1; got '9999"),
+    (["--disaggregated", "0:1"], "'0:1' needs at least one prefill and one decode instance"),
+    (["--disaggregated", "1:0"], "'1:0' needs at least one prefill and one decode instance"),
+    (["--disaggregated", "1000000:1"], "at most 32 instances on either side"),
+    (["--disaggregated", "1:33"], "at most 32 instances on either side"),
+    (["--disaggregated", "1:1", "--link-bandwidth", "0"], "is 0 bytes/s; it must lie between"),
+    (["--disaggregated", "1:1", "--link-bandwidth", "-5GB/s"], "'-5GB/s' is negative"),
+    (["--disaggregated", "1:1", "--link-bandwidth", "1B/s"], "is 1 bytes/s; it must lie"),
+    (["--disaggregated", "1:1", "--link-bandwidth", "1000000TB/s"], "it must lie between"),
+    (["--disaggregated", "1:1", "--link-bandwidth", "9" * 5000], "is not a bandwidth"),
+    (["--disaggregated", "1:1", "--link-bandwidth", "nan"], "is not a bandwidth"),
+    (["--disaggregated", "1:1", "--link-bandwidth", "inf"], "is not a bandwidth"),
+    (["--disaggregated", "1:1", "--link-bandwidth", "fast"], "is not a bandwidth"),
+    (["--disaggregated", "1:1", "--link-bandwidth", "1e9"], "is not a bandwidth"),
+    (["--disaggregated", "1:1", "--link-bandwidth", "25Gb/s"], "bits or bytes?"),
+    (["--link-bandwidth", "25GB/s"], "--link-bandwidth applies to --disaggregated runs"),
+    (["--disaggregated", "1:1", "--capacity-sweep"], "--capacity-sweep runs one instance"),
+    (["--disaggregated", "1:1", "--record", "x.jsonl"], "a --disaggregated run has many"),
+    (["--disaggregated", "32:32", "--preset", "llama-3-8b", "--memory", "1TB"],
+     "kvfunc simulates at most 4,194,304 in all"),
+    (["--disaggregated", "1:1", "--memory", "80TB", "--block-size", "16"],
+     "kvfunc simulates at most 2,097,152"),
+])
+def test_hostile_disaggregated_flags(capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                     argv: list[str], needle: str) -> None:
+    """Bad P:D forms, zero, huge counts, negative, tiny, absurd or unreadable bandwidths, and
+    flags that do not go together: one line, exit 2, before anything large is built."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(capsys, "simulate", "--no-plot", "--trace", "mooncake-conversation",
+                            "--requests", "5", *argv)
+    assert_one_line_exit_2(code, err, needle)
