@@ -147,8 +147,8 @@ def render_disaggregated(result: DisaggResult, console: Console,
     parts = ", ".join(f"{k} {v * 1000:,.1f} ms" for k, v in lat.ttft_parts.items())
     console.print(f"time to first token: [bold]{_ms(lat.ttft)}[/bold], mean "
                   f"{lat.ttft.mean * 1000:,.1f} ms ({parts}); time between tokens: "
-                  f"[bold]{_ms(lat.tbt)}[/bold] (steps of {base.step_ms:g} ms, every draft "
-                  "token accepted)")
+                  f"[bold]{_ms(lat.tbt)}[/bold], max {lat.tbt.max * 1000:,.1f} ms (steps of "
+                  f"{base.step_ms:g} ms, every draft token accepted)")
     console.print(f"steps: prefill {result.prefill.counters['steps']:,}, decode "
                   f"{result.decode.counters['steps']:,}; {result.simulated_s:,.1f} simulated s, "
                   f"{result.wall_s:.1f} s wall")
