@@ -173,28 +173,36 @@ class _Run:
                    for key, ids in get_block_ids(state, rid).items())
 
     def _event(self, now: float, kind: int, rid: int) -> None:
-        if kind == _START:
-            self.ledger.start(rid)
-            return
         if kind == _READY:
-            self.handing.discard(rid)
-            inst = self.prefill[self.origin[rid]]
-            self.parts["prefill"].append(now - self.arrival[rid])
-            if self.requests[rid].output_tokens <= 1:  # done: nothing to hand over
-                inst.release(rid)
-                _wake(inst, now)
-                self.served += 1
-                self.finished_on_prefill += 1
-                self.ttft.append(now - self.arrival[rid])
-                for part in ("room", "link", "transfer"):
-                    self.parts[part].append(0.0)
-                return
+            self._ready(now, rid)
+        elif kind == _START:
+            self.ledger.start(rid)
+        else:
+            self._end(now, rid)
+
+    def _ready(self, now: float, rid: int) -> None:
+        """A prefill is done: offer its KV for a pull, or finish a one-token request."""
+        self.handing.discard(rid)
+        inst = self.prefill[self.origin[rid]]
+        self.parts["prefill"].append(now - self.arrival[rid])
+        if self.requests[rid].output_tokens > 1:
             self.ledger.offer(rid, inst.index, self._kv_bytes(inst.state, rid), now)
             self.pending.append(rid)
             self.room_changed = True
             return
+        inst.release(rid)  # done: nothing to hand over
+        _wake(inst, now)
+        self.served += 1
+        self.finished_on_prefill += 1
+        self.ttft.append(now - self.arrival[rid])
+        for part in ("room", "link", "transfer"):
+            self.parts[part].append(0.0)
+
+    def _end(self, now: float, rid: int) -> None:
+        """A pull succeeded: the prefill side frees the blocks, the decode side runs it."""
         flight = self.ledger.flights[rid]
-        assert self.ledger.finish(rid), "the pull released the prefill side's cache"
+        released = self.ledger.finish(rid)
+        assert released, "the pull released the prefill side's cache"
         self.in_flight.discard(rid)
         source, target = self.prefill[flight.prefill], self.decode[flight.decode]
         source.release(rid)
