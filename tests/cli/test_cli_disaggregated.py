@@ -53,7 +53,7 @@ def drive(config: DisaggConfig) -> _Run:
 def test_one_to_one_serves_what_the_colocated_run_serves() -> None:
     """On a conversation slice whose longest requests do not fit, 1:1 serves and rejects
     exactly the requests the colocated run does, under the same memory per instance."""
-    cfg = base(load_trace("mooncake-conversation", limit=130), memory=4 * GIB)
+    cfg = base(load_trace("mooncake-conversation", limit=100), memory=4 * GIB)
     colocated = run_simulation(cfg)
     result = run_disaggregated(DisaggConfig(cfg, 1, 1))
     c = result.counters
