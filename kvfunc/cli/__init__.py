@@ -3,8 +3,9 @@
 ``kvfunc plan`` sizes a model's caches for a memory budget, ``kvfunc
 simulate`` replays a request trace through a continuous-batching scheduler
 built on the pure allocator (with prefix caching on traces that name their
-prompt blocks, and a sweep of hit rate against capacity), and ``kvfunc
-replay`` verifies a recorded delta log.  Everything the commands do is a
+prompt blocks, a sweep of hit rate against capacity, and disaggregated
+prefill and decode instances), and ``kvfunc replay`` verifies a recorded
+delta log.  Everything the commands do is a
 function here, so notebooks can call the same code::
 
     from kvfunc.cli import Budget, PlanConfig, build_preset, plan_model
@@ -13,6 +14,15 @@ function here, so notebooks can call the same code::
 
 from kvfunc.cli._args import SIMULATE_DEFAULTS, build_parser
 from kvfunc.cli._custom import load_model_file, model_from_mapping
+from kvfunc.cli._disagg import (
+    DisaggConfig,
+    DisaggResult,
+    LatencyReport,
+    Quantiles,
+    SideReport,
+    TransferReport,
+)
+from kvfunc.cli._disagg_run import run_disaggregated
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._log import DeltaLogWriter, ReplayFailed, state_content, verify_log
 from kvfunc.cli._main import main
@@ -39,6 +49,10 @@ def __getattr__(name: str) -> object:
         from kvfunc.cli import _plot
 
         return getattr(_plot, name)
+    if name == "plot_disaggregated":
+        from kvfunc.cli import _disagg_plot
+
+        return _disagg_plot.plot_disaggregated
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
@@ -47,21 +61,27 @@ __all__ = [
     "Budget",
     "CLIError",
     "DeltaLogWriter",
+    "DisaggConfig",
+    "DisaggResult",
     "GroupPlan",
     "GroupUsage",
+    "LatencyReport",
     "ModelPreset",
     "PlanConfig",
     "PlanReport",
     "PrefixReport",
+    "Quantiles",
     "ReplayFailed",
     "Scheduler",
     "SchedulerConfig",
+    "SideReport",
     "SimulationConfig",
     "SimulationResult",
     "SweepPoint",
     "SweepResult",
     "Trace",
     "TraceRequest",
+    "TransferReport",
     "UpperBound",
     "build_parser",
     "build_preset",
@@ -74,9 +94,11 @@ __all__ = [
     "parse_bytes",
     "parse_trace_csv",
     "plan_model",
+    "plot_disaggregated",
     "plot_sweep",
     "plot_usage",
     "preset_names",
+    "run_disaggregated",
     "run_simulation",
     "run_sweep",
     "size_blocks",

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from kvfunc import __version__
+from kvfunc.cli._disagg_cli import add_disaggregated_args
 from kvfunc.cli._presets import preset_names
 
 __all__ = ["SIMULATE_DEFAULTS", "SIMULATE_MEMORY", "SIMULATE_TRACE_MEMORY", "build_parser",
@@ -115,6 +116,7 @@ def _simulate_args(sim: argparse.ArgumentParser) -> None:
     sim.add_argument("--no-plot", action="store_true", help="write no plot")
     sim.add_argument("--record", metavar="LOG", help="write the delta log (JSON lines)")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_disaggregated_args(sim)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,6 +25,7 @@ from kvfunc.cli._args import (
     join_negative_values,
 )
 from kvfunc.cli._custom import load_model_file
+from kvfunc.cli._disagg_cli import check_disaggregated_args, simulate_disaggregated
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import check_writable
 from kvfunc.cli._log import ReplayFailed, verify_log
@@ -108,6 +109,7 @@ def _outputs(args: argparse.Namespace) -> str | None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    check_disaggregated_args(args)
     plot_path = _outputs(args)
     model = _model(args, SIMULATE_DEFAULTS["preset"])
     trace = load_trace(args.trace, limit=args.requests, seed=args.seed)
@@ -120,6 +122,9 @@ def _simulate(args: argparse.Namespace) -> int:
                               speedup=args.speedup, prefix_caching=not args.no_prefix_caching)
     if args.capacity_sweep is not None:
         return _sweep(args, config, plot_path)
+    if args.disaggregated is not None:
+        return simulate_disaggregated(args, config, plot_path,
+                                      _progress(args, "simulating", "requests"))
     log = None
     if args.record:
         try:

@@ -280,6 +280,15 @@ class Scheduler:
             self._arrivals()
             if not self.waiting:
                 return True
+        self.run_step()
+        return True
+
+    def run_step(self) -> int:
+        """One step of the requests already waiting or running; returns the entries scheduled.
+
+        :meth:`step` calls it after the arrivals; a driver that queues requests
+        itself (the disaggregated run's instances) calls it directly.
+        """
         self._spent = 0.0
         res, batch, num_admitted = self._plan_step()
         self.state = res.state
@@ -301,7 +310,7 @@ class Scheduler:
         for i, g in enumerate(self.state.groups):
             self.usage[i].append(capacity[i] - pools[g.pool].num_free)
         self._record()
-        return True
+        return len(batch)
 
     def _record(self) -> None:
         series, prefix = self.series, self.prefix
