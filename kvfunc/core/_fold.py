@@ -180,20 +180,22 @@ def check_hit(tr: Transient, request_id: Any, computed: int, keys: Any, hashes: 
             raise InvalidArgumentError(msg)
 
 
-def run_entry(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] | None) -> Any:
+def run_entry(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] | None,
+              own: Any = None) -> Any:
     """One entry of any form: checked, then the lane or the step; its request id if refused.
 
     The common forms (a plain 3-tuple; a ``SlotRequest`` or 8-tuple with no
     reservation, manager-key subset or hit) are checked inline, with the
     same checks :func:`check_entry` makes; anything else goes through
     :func:`check_entry`, which raises the precise error or normalises it.
-    ``mapping`` is ``allocate_batch``'s ``block_hashes``.  Returns None when
-    the entry is served.
+    ``mapping`` is ``allocate_batch``'s ``block_hashes``; ``own`` are a
+    3-tuple's own hashes (``allocate_slots``'s ``block_hashes``).  Returns
+    None when the entry is served.
     """
     te = type(e)
     if te is tuple and len(e) == 3:
         rid, computed, new = e
-        la, hashes = lookahead, None
+        la, hashes = lookahead, own
         t = type(rid)
         plain = ((t is int or t is str) and type(computed) is int and type(new) is int
                  and (computed | new) >= 0 and new + la >= 0)
@@ -206,6 +208,8 @@ def run_entry(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] 
     else:
         plain = False
     if not plain:
+        if own is not None:  # a 3-tuple's own hashes: the general form carries them
+            e = (*e, lookahead, 0, None, own, None)
         rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
             tr, e, lookahead, mapping)
         return None if step(tr, rid, computed, written, total, reserved, keys, hashes,

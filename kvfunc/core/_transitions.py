@@ -81,14 +81,14 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
         check_state(state)
     sink = DeltaBuilder()
     tr = Transient.open(state, sink)
-    if (lookahead_tokens.__class__ is int and not lookahead_tokens
-            and reserved_tokens.__class__ is int and not reserved_tokens
-            and manager_keys is None and block_hashes is None and prefix_hit is None):
-        entry: tuple[Any, ...] = (request_id, computed_tokens, num_new_tokens)
+    if (lookahead_tokens.__class__ is int and reserved_tokens.__class__ is int
+            and not reserved_tokens and manager_keys is None and prefix_hit is None):
+        refused = run_entry(tr, (request_id, computed_tokens, num_new_tokens), lookahead_tokens,
+                            None, block_hashes)
     else:
-        entry = (request_id, computed_tokens, num_new_tokens, lookahead_tokens, reserved_tokens,
-                 manager_keys, block_hashes, prefix_hit)
-    if run_entry(tr, entry, 0, None) is not None:
+        refused = run_entry(tr, (request_id, computed_tokens, num_new_tokens, lookahead_tokens,
+                                 reserved_tokens, manager_keys, block_hashes, prefix_hit), 0, None)
+    if refused is not None:
         same = tr.settle()  # a refusal changed nothing: the working copy still reads ``state``
         assert same is state, "a refused allocation changed the state"
         return _new(AllocationResult, (False, state, EMPTY_DELTA))
