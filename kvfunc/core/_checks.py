@@ -80,6 +80,8 @@ def _container(value: list[object] | tuple[object, ...] | set[object] | dict[obj
                           for k in head)
     else:
         inner = ", ".join(excerpt(v, 20, depth - 1) for v in head)
+    if len(inner) > _EXCERPT:  # nested items add up: the whole stays about one excerpt long
+        inner = f"{inner[:_EXCERPT]}..."
     if len(value) > 8:
         return f"{left}{inner}, ...{right} ({len(value)} items)"
     return f"{left}{inner}{right}"
