@@ -41,10 +41,10 @@ BAD_PLAIN = {
         "'full', whose policy keeps every token"),
     "a float request id": (
         d("R", registered_keys=("full",), registered_request_ids=(1.0,)),
-        ", operation 0 Registered(key='full', request_id=1.0): request id 1.0 is not a str"),
+        ": malformed delta: registered_request_ids holds 1.0, not a request id"),
     "a null request id": (
         d("R", registered_keys=("full",), registered_request_ids=(None,)),
-        ", operation 0 Registered(key='full', request_id=None): request id None is not a str"),
+        ": malformed delta: registered_request_ids holds None, not a request id"),
     "a block the pool would not hand out": (
         d("RA", registered_keys=("full",), registered_request_ids=("c",),
           appended_keys=("full",), appended_request_ids=("c",), appended_block_ids=(7,)),

@@ -40,7 +40,8 @@ from kvfunc.core import (
     replay,
 )
 
-__all__ = ["LOG_VERSION", "DeltaLogWriter", "ReplayFailed", "state_content", "verify_log"]
+__all__ = ["LOG_VERSION", "DeltaLogWriter", "ReplayFailed", "log_write_error", "state_content",
+           "verify_log"]
 
 LOG_VERSION = 2
 _COLUMNS = BlocksChanged.FIELDS[1:]
@@ -117,8 +118,11 @@ class DeltaLogWriter:
         self._line(_header(initial, meta or {}))
 
     def _line(self, record: dict[str, Any]) -> None:
-        self._out.write(json.dumps(record, separators=(",", ":")))
-        self._out.write("\n")
+        try:
+            self._out.write(json.dumps(record, separators=(",", ":")))
+            self._out.write("\n")
+        except OSError as exc:  # a full disk, a failing device: the run cannot be logged
+            raise log_write_error(getattr(self._out, "name", "the log"), exc) from None
 
     def write(self, step: int, delta: BlocksChanged) -> None:
         """Append one delta (its non-empty columns) recorded at ``step``."""
@@ -130,6 +134,15 @@ class DeltaLogWriter:
     def close(self, final: KVState) -> None:
         """Append the final-state record (the caller closes the stream)."""
         self._line({"final": {"num_deltas": self.num_deltas, "groups": state_content(final)}})
+
+
+def log_write_error(path: object, exc: OSError) -> CLIError:
+    """The one-line error for a log that cannot be written (opened, written or flushed).
+
+    >>> str(log_write_error("/dev/full", OSError(28, "No space left on device")))
+    "cannot write the log '/dev/full': No space left on device"
+    """
+    return CLIError(f"cannot write the log {show(path)}: {exc.strerror or exc}")
 
 
 def _malformed(path: str, line: int, what: str) -> CLIError:
@@ -146,7 +159,8 @@ def _initial_state(header: object, path: str) -> KVState:
     if not isinstance(header, dict) or not _is(header.get("kvfunc_delta_log"), LOG_VERSION):
         raise _malformed(path, 1, f"not a kvfunc delta log header (version {LOG_VERSION})")
     if not _is(header.get("delta_version"), DELTA_VERSION):
-        msg = f"delta version {header.get('delta_version')!r}, this kvfunc reads {DELTA_VERSION}"
+        version = show(header.get("delta_version"))
+        msg = f"delta version {version}, this kvfunc reads {DELTA_VERSION}"
         raise _malformed(path, 1, msg)
     try:
         groups = header["groups"]
@@ -317,8 +331,10 @@ def verify_log(path: str | Path) -> tuple[KVState, int]:
         msg = (f"{name}: the log ends at line {reader.line} without its final-state record; "
                "was the run that wrote it interrupted?")
         raise CLIError(msg)
+    if type(reader.final.get("num_deltas")) is not int:  # a bool is not a count
+        raise _malformed(name, reader.line, "the final record's num_deltas is not an int")
     if not _is(reader.final.get("num_deltas"), count):
         raise ReplayFailed(f"the log holds {count} deltas, its final record says "
-                           f"{reader.final.get('num_deltas')!r}")
+                           f"{show(reader.final.get('num_deltas'))}")
     _compare(state_content(final), reader.final.get("groups"), name)
     return final, count

@@ -9,11 +9,13 @@ Exit codes: 0 success; 1 ``kvfunc replay`` found a mismatch; 2 bad input
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -27,8 +29,8 @@ from kvfunc.cli._args import (
 from kvfunc.cli._custom import load_model_file
 from kvfunc.cli._disagg_cli import check_disaggregated_args, simulate_disaggregated
 from kvfunc.cli._errors import CLIError
-from kvfunc.cli._inputs import check_writable
-from kvfunc.cli._log import ReplayFailed, verify_log
+from kvfunc.cli._inputs import check_writable, show
+from kvfunc.cli._log import ReplayFailed, log_write_error, verify_log
 from kvfunc.cli._plan import Budget, PlanConfig, plan_model
 from kvfunc.cli._presets import ModelPreset, build_preset, preset_names
 from kvfunc.cli._render import (
@@ -125,21 +127,23 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.disaggregated is not None:
         return simulate_disaggregated(args, config, plot_path,
                                       _progress(args, "simulating", "requests"))
-    log = None
-    if args.record:
-        try:
-            log = open(args.record, "w", encoding="utf-8")  # noqa: SIM115 - closed below
-        except OSError as exc:
-            raise CLIError(f"cannot write the log {args.record!r}: {exc.strerror}") from None
+    log = _open_log(args.record) if args.record else None
     progress = _progress(args, "simulating", "requests")
     try:
         with progress:
             task = progress.add_task("simulate", total=len(trace.requests))
             result = run_simulation(config, record=log, on_progress=lambda done, _total:
                                     progress.update(task, completed=done))
-    finally:
-        if log is not None:
-            log.close()
+    except BaseException:
+        if log is not None:  # the error in flight says what went wrong, not a failed flush
+            with contextlib.suppress(OSError):
+                log.close()
+        raise
+    if log is not None:
+        try:
+            log.close()  # the last lines are flushed here: a full disk may show only now
+        except OSError as exc:
+            raise log_write_error(args.record, exc) from None
     if plot_path is not None:
         from kvfunc.cli._plot import plot_usage  # matplotlib loads only when it is needed
 
@@ -149,6 +153,13 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         render_simulation(result, make_console(), plot_path, args.record)
     return 0
+
+
+def _open_log(path: str) -> IO[str]:
+    try:
+        return open(path, "w", encoding="utf-8")  # the caller closes it
+    except OSError as exc:
+        raise log_write_error(path, exc) from None
 
 
 def _sweep(args: argparse.Namespace, config: SimulationConfig, plot_path: str | None) -> int:
@@ -213,6 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away: stop quietly, as Unix tools do
         _silence_stdout()
         return EXIT_BROKEN_PIPE
+    except OSError as exc:  # an output failed (a full disk under stdout or a plot): one line
+        where = f" ({show(exc.filename)})" if exc.filename else ""
+        print(f"kvfunc {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        _silence_stdout()
+        return 2
     except KeyboardInterrupt:
         print(f"kvfunc {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -25,6 +25,7 @@ from kvfunc.core import (
 from kvfunc.core._internal import (
     check_manager_keys,
     check_request_id,
+    excerpt,
     fold,
     free_into,
     row_table,
@@ -53,8 +54,13 @@ class KVCacheManager:
     def __init__(self, max_model_len: int, single_type_managers: Iterable[SingleTypeKVCacheManager],
                  cache_info: Any) -> None:
         if type(max_model_len) is not int or max_model_len < 0:
-            msg = f"max_model_len must be a non-negative int, but got {max_model_len!r}"
+            msg = f"max_model_len must be a non-negative int, but got {excerpt(max_model_len)}"
             raise InvalidArgumentError(msg)
+        if isinstance(single_type_managers, str | bytes) or not isinstance(
+                single_type_managers, Iterable):
+            msg = (f"single_type_managers must be an iterable of SingleTypeKVCacheManager, but "
+                   f"got {excerpt(single_type_managers)}")
+            raise InvalidTypeError(msg)
         managers = tuple(single_type_managers)
         for m in managers:
             if not isinstance(m, SingleTypeKVCacheManager):
@@ -62,7 +68,7 @@ class KVCacheManager:
                 raise InvalidTypeError(msg)
         keys = [m.manager_key for m in managers]
         if len(set(keys)) != len(keys):
-            msg = f"manager keys must be unique, got {keys}"
+            msg = f"manager keys must be unique, got {excerpt(keys)}"
             raise InvalidArgumentError(msg)
         self.max_model_len = max_model_len
         self.single_type_managers = managers
@@ -138,8 +144,11 @@ class KVCacheManager:
     def get_block_table_max_lens(self, max_model_len: int) -> dict[str, int]:
         """``{manager_key: ceil(max_model_len / block_size)}`` (compression ignored)."""
         if type(max_model_len) is not int:
-            msg = f"max_model_len must be an int, but got {max_model_len!r}"
+            msg = f"max_model_len must be an int, but got {excerpt(max_model_len)}"
             raise InvalidTypeError(msg)
+        if max_model_len < 0:
+            msg = f"max_model_len must be non-negative, but got {excerpt(max_model_len)}"
+            raise InvalidArgumentError(msg)
         return {m.manager_key: -(-max_model_len // m.block_size)
                 for m in self.single_type_managers}
 

@@ -49,13 +49,18 @@ __all__ = [
 logger = logging.getLogger("kvfunc.compat")
 
 
-def _check_num_tokens(num_tokens: object) -> int:
-    if type(num_tokens) is not int:
-        msg = f"num_tokens must be an int, but got {num_tokens!r}"
+def _check_count(name: str, value: object) -> int:
+    """``value`` if it is a non-negative int (not a bool); else a typed error naming it."""
+    if type(value) is not int:
+        msg = f"{name} must be a non-negative int, but got {excerpt(value)}"
         raise InvalidTypeError(msg)
-    if num_tokens < 0:
-        raise InvalidArgumentError("num_tokens must be non-negative")
-    return num_tokens
+    if value < 0:
+        raise InvalidArgumentError(f"{name} must be non-negative, but got {excerpt(value)}")
+    return value
+
+
+def _check_num_tokens(num_tokens: object) -> int:
+    return _check_count("num_tokens", num_tokens)
 
 
 class SingleTypeKVCacheManager:
@@ -113,9 +118,7 @@ class SingleTypeKVCacheManager:
         """``(blocks needed, whether they can be had)`` for ``num_tokens``; changes nothing."""
         check_request_id(request_id)
         _check_num_tokens(num_tokens)
-        if type(reserved_tokens) is not int or reserved_tokens < 0:
-            msg = f"reserved_tokens must be a non-negative int, but got {reserved_tokens!r}"
-            raise InvalidArgumentError(msg)
+        _check_count("reserved_tokens", reserved_tokens)
         g = self._group
         row = g.row(request_id)
         _, need = g.policy.plan_blocks(0 if row is None else row.length, num_tokens)
@@ -135,19 +138,21 @@ class SingleTypeKVCacheManager:
         check happens before any block is taken (the seed checked after).
         """
         check_request_id(request_id)
+        if num_tokens is not None:  # read only by a window's first allocation: checked always
+            _check_num_tokens(num_tokens)
         g = self._group
         take_check(g, block_num_to_allocate)
         row = g.row(request_id)
         nulls = 0
         if (row is None or not row.length) and g.window is not None:
             if num_tokens is None:
-                msg = f"num_tokens is required for the first allocation of {request_id!r}"
+                msg = f"num_tokens is required for the first allocation of {excerpt(request_id)}"
                 raise InvalidTypeError(msg)
-            _check_num_tokens(num_tokens)
             nulls, expected = g.policy.plan_blocks(0, num_tokens)
             if block_num_to_allocate != expected:
+                got = excerpt(nulls + block_num_to_allocate)
                 msg = ("Sliding-window block table length mismatch after prefill allocation: "
-                       f"got={nulls + block_num_to_allocate}, expected={nulls + expected}")
+                       f"got={got}, expected={nulls + expected}")
                 raise InvalidArgumentError(msg)
         tr = self._store.tr
         if row is None:
@@ -177,10 +182,7 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: Any, total_computed_tokens: int) -> None:
         """Null the blocks that slid out and free them, highest index first."""
         check_request_id(request_id)
-        if type(total_computed_tokens) is not int or total_computed_tokens < 0:
-            msg = (f"total_computed_tokens must be a non-negative int, but got "
-                   f"{excerpt(total_computed_tokens)}")
-            raise InvalidTypeError(msg)
+        _check_count("total_computed_tokens", total_computed_tokens)
         skipped = self.get_num_skipped_tokens(total_computed_tokens)
         if skipped <= 0:
             return
@@ -237,6 +239,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """``max(0, C - W + 1)``."""
+        _check_count("num_computed_tokens", num_computed_tokens)
         return int(self._group.policy.num_skipped_tokens(num_computed_tokens))
 
     @staticmethod
@@ -297,6 +300,13 @@ def create_single_type_managers(cache_info: Any, block_num_by_type: Mapping[str,
     >>> [(m.manager_key, m.get_num_free_blocks()) for m in ms]
     [('FullAttention', 9)]
     """
+    if not hasattr(cache_info, "layer_infos"):
+        msg = f"cache_info must be a ModelCacheInfo, but got {type(cache_info).__name__}"
+        raise InvalidTypeError(msg)
+    if not isinstance(block_num_by_type, Mapping):
+        msg = (f"block_num_by_type must be a mapping of manager keys to block counts, but got "
+               f"{type(block_num_by_type).__name__}")
+        raise InvalidTypeError(msg)
     managers = []
     for key, cls, block_size, entries in group_cache_entries(cache_info, block_num_by_type,
                                                               _manager_class):

@@ -61,7 +61,7 @@ class Store:
 
 def _check_block_id(block_id: object, num_blocks: int) -> int:
     if type(block_id) is not int or not 0 <= block_id < num_blocks:
-        msg = f"block_id {block_id} is out of range [0, {num_blocks})"
+        msg = f"block_id {excerpt(block_id)} is out of range [0, {num_blocks})"
         raise BlockIndexError(msg)
     return block_id
 
@@ -83,7 +83,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if type(num_blocks) is not int:
-            msg = f"num_blocks must be an int, but got {num_blocks!r}"
+            msg = f"num_blocks must be an int, but got {excerpt(num_blocks)}"
             raise InvalidTypeError(msg)
         if num_blocks <= 0:
             raise InvalidArgumentError("num_blocks must be positive")
@@ -169,11 +169,11 @@ class BlockPool:
 def take_check(g: GroupCopy | PoolCopy, num_blocks: Any) -> None:
     """The seed's ``get_new_blocks`` argument checks, before anything is taken."""
     if type(num_blocks) is not int:
-        msg = f"num_blocks must be an int, but got {num_blocks!r}"
+        msg = f"num_blocks must be an int, but got {excerpt(num_blocks)}"
         raise InvalidTypeError(msg)
     if num_blocks < 0:
         raise InvalidArgumentError("num_blocks must be non-negative")
     pool = g if isinstance(g, PoolCopy) else g.pool
     if num_blocks > pool.count:
-        msg = f"requested {num_blocks} blocks, but only {pool.count} are available"
+        msg = f"requested {excerpt(num_blocks)} blocks, but only {pool.count} are available"
         raise OutOfBlocksError(msg)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvfunc.core import InvalidTypeError, KVState
+from kvfunc.core._internal import excerpt
 from kvfunc.shell._device import DeviceLike
 from kvfunc.shell._tables import build_block_tables, build_slot_mappings
 
@@ -40,7 +41,7 @@ def _request_ids(requests: Sequence[Any] | None) -> list[Any] | None:
         try:
             ids.append(request.request_id)
         except AttributeError:
-            msg = f"requests must have a request_id attribute, but got {request!r}"
+            msg = f"requests must have a request_id attribute, but got {excerpt(request)}"
             raise InvalidTypeError(msg) from None
     return ids
 

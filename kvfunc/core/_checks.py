@@ -42,8 +42,8 @@ def excerpt(value: object, limit: int = _EXCERPT, depth: int = 2) -> str:
     "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (1000 chars)"
     >>> excerpt(list(range(100)))
     '[0, 1, 2, 3, 4, 5, 6, 7, ...] (100 items)'
-    >>> excerpt([["y" * 500]]), excerpt(3.5)
-    ("[['yyyyyyyyyyyyyyyyyyyy'... (500 chars)]]", '3.5')
+    >>> excerpt([["y" * 500]]), excerpt(3.5), excerpt(-10**5000)
+    ("[['yyyyyyyyyyyyyyyyyyyy'... (500 chars)]]", '3.5', '<an int of 16610 bits>')
     """
     if isinstance(value, str | bytes | bytearray | memoryview):
         if len(value) <= limit:
@@ -52,6 +52,8 @@ def excerpt(value: object, limit: int = _EXCERPT, depth: int = 2) -> str:
         return f"{value[:limit]!r}... ({len(value)} {unit})"
     if type(value) in _BRACKETS:
         return _container(value, depth)  # type: ignore[arg-type]
+    if isinstance(value, int) and value.bit_length() > 4 * limit:  # str() is slow, then refused
+        return f"<an int of {value.bit_length()} bits>"
     try:
         text = repr(value)
     except Exception:  # a hostile __repr__: say what it is instead
@@ -78,6 +80,8 @@ def _container(value: list[object] | tuple[object, ...] | set[object] | dict[obj
                           for k in head)
     else:
         inner = ", ".join(excerpt(v, 20, depth - 1) for v in head)
+    if len(inner) > _EXCERPT:  # nested items add up: the whole stays about one excerpt long
+        inner = f"{inner[:_EXCERPT]}..."
     if len(value) > 8:
         return f"{left}{inner}, ...{right} ({len(value)} items)"
     return f"{left}{inner}{right}"
@@ -120,7 +124,7 @@ def check_count(name: str, value: object) -> int:
         msg = f"{name} must be an int, but got {excerpt(value)}"
         raise InvalidTypeError(msg)
     if value < 0:
-        msg = f"{name} must be non-negative, but got {value}"
+        msg = f"{name} must be non-negative, but got {excerpt(value)}"
         raise InvalidArgumentError(msg)
     return value
 
@@ -137,10 +141,10 @@ def check_int(owner: str, name: str, value: object, minimum: int) -> int:
 but got 0
     """
     if type(value) is not int:
-        msg = f"{owner} {name} must be an int, but got {value!r}"
+        msg = f"{owner} {name} must be an int, but got {excerpt(value)}"
         raise InvalidTypeError(msg)
     if value < minimum:
-        msg = f"{owner} {name} must be >= {minimum}, but got {value}"
+        msg = f"{owner} {name} must be >= {minimum}, but got {excerpt(value)}"
         raise InvalidArgumentError(msg)
     return value
 

@@ -45,19 +45,24 @@ a copy may read a block an earlier copy wrote.  An eviction comes before the
 append or copy that took its block.  Only states with prefix caching produce
 the S, C, T, E, Z and H families.
 
-A delta read from outside is checked by :meth:`BlocksChanged.operations`:
-parallel columns, and an ``order`` that names each row exactly once.
+A delta read from outside is checked by :meth:`BlocksChanged.operations`
+before any reader sees a row: parallel columns of the right cell types
+(manager keys ``str``, request ids ``str`` or ``int``, block ids, positions
+and token counts ``int``, hashes non-empty ``bytes``, a block's token ids a
+tuple of ``int``; never a ``bool``), and an ``order`` that names each row
+exactly once.  Whether the rows fit a state is replay's question.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import chain
 from typing import Any, ClassVar, Generic, TypeVar, overload
 
 import attrs
 
 from kvfunc.core._checks import excerpt
-from kvfunc.core._errors import ReplayMismatchError
+from kvfunc.core._errors import InvalidTypeError, ReplayMismatchError
 from kvfunc.core._ops import COLUMNS, RECORDS, Operation
 
 __all__ = [
@@ -177,7 +182,7 @@ class BlocksChanged:
             i = _COLUMN_INDEX.get(name)
             if i is None:
                 msg = f"BlocksChanged has no column {excerpt(name)}"
-                raise TypeError(msg)
+                raise InvalidTypeError(msg)
             cols[i] = value
         _set(self, "version", version)
         _set(self, "order", _codes(order))
@@ -298,10 +303,10 @@ def _bad(msg: str) -> ReplayMismatchError:
 
 
 def family_rows(d: BlocksChanged) -> dict[str, list[tuple[Any, ...]]]:
-    """Each family's rows as tuples, after checking the shape of the delta."""
+    """Each family's rows as tuples, after checking the shape of the delta and its cells."""
     if type(d) is not BlocksChanged:
         raise _bad(f"expected a BlocksChanged, got {type(d).__name__}")
-    if d.version != DELTA_VERSION:
+    if type(d.version) is not int or d.version != DELTA_VERSION:
         raise _bad(f"version {excerpt(d.version)} is not {DELTA_VERSION}")
     if type(d.order) is not str:
         raise _bad(f"order must be a str, got {type(d.order).__name__}")
@@ -315,11 +320,59 @@ def family_rows(d: BlocksChanged) -> dict[str, list[tuple[Any, ...]]]:
             raise _bad(f"the columns {names} are not parallel")
         if d.order.count(code) != n:
             raise _bad(f"order names {d.order.count(code)} {code!r} rows, the columns hold {n}")
+        if n:
+            for name, col in zip(names, cols, strict=True):
+                _check_cells(name, col)
         rows[code] = list(zip(*cols, strict=True)) if n else []
     if len(d.order) != sum(len(r) for r in rows.values()):
         unknown = sorted(set(d.order) - set(COLUMNS))
         raise _bad(f"order holds unknown codes {excerpt(''.join(unknown))}")
     return rows
+
+
+_INT, _STR, _BYTES = frozenset({int}), frozenset({str}), frozenset({bytes})
+_TOKENS = frozenset({tuple})
+_NONE_TYPE = type(None)
+
+
+def _cell_kind(name: str) -> tuple[frozenset[type], str]:
+    """The types a column's cells may have, and how a message names them."""
+    if name.endswith("_keys"):
+        return _STR, "a manager key (a str)"
+    if name.endswith("_request_ids"):
+        return frozenset({str, int}), "a request id (a str or an int)"
+    if name == "stored_parent_hashes":
+        return frozenset({bytes, _NONE_TYPE}), "a parent hash (non-empty bytes or None)"
+    if name.endswith("_hashes"):
+        return _BYTES, "a block hash (non-empty bytes)"
+    if name == "stored_token_ids":
+        return _TOKENS, "a block's token ids (a tuple of ints)"
+    return _INT, "an int"
+
+
+_CELLS = {name: _cell_kind(name) for names in COLUMNS.values() for name in names}
+
+
+def _check_cells(name: str, col: tuple[Any, ...]) -> None:
+    """Every cell of column ``name`` has its type (``bool`` is never an ``int`` here)."""
+    allowed, what = _CELLS[name]
+    if set(map(type, col)) <= allowed:  # one pass in C for the common, well-formed column
+        if allowed is _TOKENS:
+            ok = set(map(type, chain.from_iterable(col))) <= _INT
+        else:  # a digest is never empty
+            ok = bytes not in allowed or all(h is None or h for h in col)
+        if ok:
+            return
+    bad = next((v for v in col if not _cell_ok(allowed, v)), None)
+    raise _bad(f"{name} holds {excerpt(bad)}, not {what}")
+
+
+def _cell_ok(allowed: frozenset[type], value: Any) -> bool:
+    if type(value) not in allowed:
+        return False
+    if allowed is _TOKENS:
+        return all(type(t) is int for t in value)
+    return value is None or type(value) is not bytes or bool(value)
 
 
 class DeltaBuilder:

@@ -51,7 +51,12 @@ from typing import Any
 import attrs
 
 from kvfunc.core._checks import excerpt
-from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
+from kvfunc.core._errors import (
+    BlockIndexError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    NotSupportedError,
+)
 
 __all__ = ["HASH_FUNCTIONS", "BlockHash", "BlockHashes", "hash_function"]
 
@@ -104,14 +109,14 @@ def hash_function(name: str) -> Callable[[bytes], bytes]:
             raise NotSupportedError(msg) from None
         fn: Callable[[bytes], bytes] = xxhash.xxh3_128_digest
         return fn
-    msg = f"unknown hash function {name!r}; choose one of {list(HASH_FUNCTIONS)}"
+    msg = f"unknown hash function {excerpt(name)}; choose one of {list(HASH_FUNCTIONS)}"
     raise InvalidArgumentError(msg)
 
 
 def _encode_key(key: object) -> bytes:
     """One extra key as tagged, length-prefixed bytes (so keys never run together)."""
     if isinstance(key, bool) or not isinstance(key, str | bytes | int):
-        msg = f"extra keys and the cache salt must be str, bytes or int, got {key!r}"
+        msg = f"extra keys and the cache salt must be str, bytes or int, got {excerpt(key)}"
         raise InvalidTypeError(msg)
     if isinstance(key, str):
         tag, raw = b"s", key.encode()
@@ -181,7 +186,7 @@ def _is_int64(value: object) -> bool:
 def _checked(block_size: int, hash_fn: str) -> Callable[[bytes], bytes]:
     """The hash function of a valid block size and name; a typed error otherwise."""
     if type(block_size) is not int or block_size <= 0:
-        msg = f"block_size must be a positive int, got {block_size!r}"
+        msg = f"block_size must be a positive int, got {excerpt(block_size)}"
         raise InvalidArgumentError(msg)
     return hash_function(hash_fn)  # a known name, or a typed error
 
@@ -245,10 +250,15 @@ class BlockHashes:
         tokens: list[int] = []
         for block in blocks:
             if len(_token_list(block)) != block_size:
-                msg = f"a token block must hold {block_size} tokens, got {excerpt(block)}"
+                msg = f"a token block must hold {excerpt(block_size)} tokens, got {excerpt(block)}"
                 raise InvalidArgumentError(msg)
             tokens.extend(block)
-        _pack(tokens)  # ints in range, no bools
+        data = _pack(tokens)  # ints in range, no bools
+        if hash_fn != EXTERNAL and digests != _chain(hash_fn, _CONSTRUCTORS.get(hash_fn), root,
+                                                     data, 8 * block_size):
+            msg = (f"the {len(digests)} hashes are not the {hash_fn} chain of their token "
+                   "blocks from root")
+            raise InvalidArgumentError(msg)
         self._fill(block_size, hash_fn, root, digests, tokens, len(digests))
 
     def _fill(self, block_size: int, hash_fn: str, root: bytes, digests: list[BlockHash],
@@ -315,12 +325,16 @@ class BlockHashes:
         fn = _checked(block_size, hash_fn)
         _token_list(token_ids)
         if isinstance(extra_keys, str | bytes) or not isinstance(extra_keys, Sequence):
-            msg = f"extra_keys must be a sequence of keys, got {extra_keys!r}"
+            msg = f"extra_keys must be a sequence of keys, got {excerpt(extra_keys)}"
             raise InvalidTypeError(msg)
         seed = [_TAG]
         seed.append(b"-" if cache_salt is None else _encode_key(cache_salt))
         seed.extend(_encode_key(k) for k in extra_keys)
-        return cls._make(block_size, hash_fn, fn(b"".join(seed)), [], [], 0).update(token_ids)
+        value = cls._make(block_size, hash_fn, fn(b"".join(seed)), [], [], 0).update(token_ids)
+        tail = token_ids[value.num_tokens:]  # the partial last block: checked, hashed later
+        if tail:
+            _pack(tail)
+        return value
 
     @property
     def num_tokens(self) -> int:
@@ -351,8 +365,12 @@ class BlockHashes:
         ...
         kvfunc.core._errors.InvalidTypeError: token ids must be ints in the int64 range, got 'x'
         """
-        if len(token_ids) < self._end:  # no new full block: the common decode step
-            return self
+        try:
+            if len(token_ids) < self._end:  # no new full block: the common decode step
+                return self
+        except TypeError:  # no len(): not a sequence (None, an int, an iterator)
+            _token_list(token_ids)
+            raise
         bs, n, hash_fn = self.block_size, self.num_blocks, self.hash_fn
         if hash_fn == EXTERNAL:
             msg = "these hashes were computed elsewhere: extend them with extended()"
@@ -420,7 +438,7 @@ class BlockHashes:
         _token_list(token_ids)
         bs, n = self.block_size, self.num_blocks
         if len(token_ids) < (n + len(new)) * bs:
-            msg = (f"{len(new)} more digests need {(n + len(new)) * bs} tokens, got "
+            msg = (f"{len(new)} more digests need {excerpt((n + len(new)) * bs)} tokens, got "
                    f"{len(token_ids)}")
             raise InvalidArgumentError(msg)
         if not new:
@@ -441,10 +459,18 @@ class BlockHashes:
         return value
 
     def parent_hash(self, index: int) -> BlockHash | None:
-        """The hash block ``index`` chains from (``None`` for the first block)."""
-        if 0 < index <= self.num_blocks:
+        """The hash block ``index`` chains from (``None`` for the first block).
+
+        >>> h = BlockHashes.of(range(4), 2)
+        >>> h.parent_hash(0), h.parent_hash(1) == h.hashes[0]
+        (None, True)
+        """
+        if type(index) is int and 0 < index <= self.num_blocks:
             return self._digests[index - 1]
-        return self.hashes[index - 1] if index else None  # tuple indexing past the fast case
+        if index == 0 and type(index) is int:
+            return None
+        _index(index)
+        return self.hashes[_index(index - 1, self.num_blocks - 1)]  # tuple indexing (negative)
 
     def token_ids_by_block(self, first: int, last: int, size: int) -> list[tuple[int, ...]]:
         """The token ids of blocks ``first .. last-1`` of ``size`` tokens, a tuple each.
@@ -455,22 +481,40 @@ class BlockHashes:
         >>> BlockHashes.of(range(12), 2).token_ids_by_block(1, 3, 4)
         [(4, 5, 6, 7), (8, 9, 10, 11)]
         """
-        if not (size > 0 and size % self.block_size == 0
-                and 0 <= first <= last and last * size <= self.num_tokens):
-            msg = (f"blocks {first}..{last} of {size} tokens are not hashed "
-                   f"({self.num_tokens} tokens in blocks of {self.block_size})")
+        if not (_index(first) >= 0 and _index(last) >= first and _index(size) > 0
+                and size % self.block_size == 0 and last * size <= self.num_tokens):
+            msg = (f"blocks {excerpt(first)}..{excerpt(last)} of {excerpt(size)} tokens are not "
+                   f"hashed ({excerpt(self.num_tokens)} tokens in blocks of "
+                   f"{excerpt(self.block_size)})")
             raise InvalidArgumentError(msg)
         run = iter(self._tokens[first * size:last * size])  # our entries only
         return list(zip(*[run] * size, strict=True))  # ``size`` tokens at a time
 
     def block_token_ids(self, index: int, count: int = 1) -> tuple[int, ...]:
-        """The token ids of ``count`` hashed blocks from block ``index`` on."""
+        """The token ids of ``count`` hashed blocks from block ``index`` on.
+
+        >>> BlockHashes.of(range(6), 2).block_token_ids(1, 2)
+        (2, 3, 4, 5)
+        """
+        if type(index) is not int or type(count) is not int:
+            _index(index)
+            _index(count)
         if 0 <= index and index + count <= self.num_blocks:
             bs = self.block_size
             return tuple(self._tokens[index * bs:(index + count) * bs])
         if count == 1:  # tuple indexing and slicing, as a tuple of blocks gives
-            return self.blocks[index]
+            return self.blocks[_index(index, self.num_blocks - 1)]
         return tuple(t for block in self.blocks[index:index + count] for t in block)
+
+
+def _index(value: object, last: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) and, given ``last``, indexes ``0..last`` as a
+    tuple of ``last + 1`` items does (negative from the end); else a typed error."""
+    if type(value) is not int:
+        raise InvalidTypeError(f"a block index must be an int, got {excerpt(value)}")
+    if last is not None and not -last - 1 <= value <= last:
+        raise BlockIndexError(f"block index {excerpt(value)} is out of range for {last + 1} blocks")
+    return value
 
 
 def _digest_list(hashes: object) -> list[BlockHash]:

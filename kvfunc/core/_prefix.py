@@ -70,7 +70,7 @@ def _count(name: str, value: object) -> int:
     if type(value) is not int:
         raise InvalidTypeError(f"PrefixHit {name} must be an int, got {excerpt(value)}")
     if value < 0:
-        raise InvalidArgumentError(f"PrefixHit {name} must be non-negative, got {value}")
+        raise InvalidArgumentError(f"PrefixHit {name} must be non-negative, got {excerpt(value)}")
     return value
 
 
@@ -117,8 +117,8 @@ num_tokens (16)
 
     def __attrs_post_init__(self) -> None:
         if self.query_tokens < self.num_tokens:
-            msg = (f"PrefixHit query_tokens ({self.query_tokens}) must be at least num_tokens "
-                   f"({self.num_tokens})")
+            msg = (f"PrefixHit query_tokens ({excerpt(self.query_tokens)}) must be at least "
+                   f"num_tokens ({excerpt(self.num_tokens)})")
             raise InvalidArgumentError(msg)
 
 
@@ -156,7 +156,10 @@ def lookup_prefix(state: KVState, block_hashes: BlockHashes, *,
     if type(block_hashes) is not BlockHashes:
         msg = f"block_hashes must be a BlockHashes, got {excerpt(block_hashes)}"
         raise InvalidTypeError(msg)
-    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
+    if max_tokens is not None and type(max_tokens) is not int:
+        msg = f"max_tokens must be None or a non-negative int, got {excerpt(max_tokens)}"
+        raise InvalidTypeError(msg)
+    if max_tokens is not None and max_tokens < 0:
         msg = f"max_tokens must be None or a non-negative int, got {excerpt(max_tokens)}"
         raise InvalidArgumentError(msg)
     hashes = block_hashes

@@ -120,7 +120,7 @@ def apply_delta_into(tr: Transient, delta: BlocksChanged, index: int = 0) -> Non
 def _apply(tr: Transient, op: Any, pending: dict[str, list[int]], seqs: dict[Any, int]
            ) -> None:
     if type(op) is LookedUp:
-        _request_id(op.request_id)
+        _looked_up(tr, op)
         return
     if type(op.key) is not str:
         _fail(f"manager key {excerpt(op.key)} is not a str")
@@ -132,6 +132,21 @@ def _apply(tr: Transient, op: Any, pending: dict[str, list[int]], seqs: dict[Any
         _evicted(tr, g, op)
         return
     _HANDLERS[type(op)](g, op, pending.setdefault(g.pool.members[0], []))
+
+
+def _looked_up(tr: Transient, op: Any) -> None:
+    """A lookup's row: a caching state, a request admitted in every group, a hit it asked for."""
+    _request_id(op.request_id)
+    if not tr.caching:
+        _fail("the state has no prefix cache: nothing was looked up")
+    tokens, query = op.tokens, op.query_tokens
+    if type(tokens) is not int or type(query) is not int or not 0 <= tokens <= query:
+        _fail(f"a hit of {excerpt(tokens)} tokens out of {excerpt(query)} looked up")
+    for view in tr.views:
+        if view.rows.get(op.request_id) is None:
+            _fail(f"request {excerpt(op.request_id)} is not registered in {view.key!r}")
+        if tokens % view.policy.block_size:
+            _fail(f"{excerpt(tokens)} tokens are not whole blocks of {view.key!r}")
 
 
 def _fail(msg: str) -> Any:
@@ -290,6 +305,7 @@ def _stored(g: GroupCopy, op: Any, pending: list[int]) -> None:
     if type(op.block_hash) is not bytes or not op.block_hash or pool.hash_of[b] is not None:
         _fail(f"block {b} cannot be cached under {excerpt(op.block_hash)}")
     key = cache_key(op.block_hash, g.tag)
+    _stored_tokens(g, op)
     if op.position == COPY_SAVED:
         if pool.refs[b] != 1:
             _fail(f"block {b} was not just taken to save a state")
@@ -307,6 +323,27 @@ def _stored(g: GroupCopy, op: Any, pending: list[int]) -> None:
     pool.store(b, key)
     g.put(op.request_id, make_row(row.blocks, row.nulls, pos + 1, max(row.shared, pos + 1),
                                     row.seq))
+
+
+def _stored_tokens(g: GroupCopy, op: Any) -> None:
+    """A table block's row carries its block of tokens and, past block 0, a parent hash.
+
+    A saved state (``COPY_SAVED``) holds no tokens.  Readers of the delta
+    (KV events) pass these on: a row without its tokens would describe a
+    block nobody could match.
+    """
+    tokens, parent = op.token_ids, op.parent_hash
+    if type(tokens) is not tuple or any(type(t) is not int for t in tokens):
+        _fail(f"token ids {excerpt(tokens)} are not a tuple of ints")
+    if op.position == COPY_SAVED:
+        if tokens:
+            _fail("a saved state holds no tokens")
+        return
+    if len(tokens) != g.block_size:
+        _fail(f"{len(tokens)} token ids for a block of {g.block_size} in {g.key!r}")
+    if (parent is None) != (op.position == 0) or (parent is not None and (
+            type(parent) is not bytes or not parent)):
+        _fail(f"parent hash {excerpt(parent)} does not fit position {excerpt(op.position)}")
 
 
 def _evicted(tr: Transient, g: GroupCopy, op: Any) -> None:

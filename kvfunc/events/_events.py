@@ -27,8 +27,9 @@ has several groups, and the block ids let a subscriber rebuild exactly the
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import attrs
 
@@ -49,6 +50,74 @@ __all__ = ["MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVC
 
 MEDIUM_GPU = "GPU"
 """The ``medium`` of events about device blocks (vLLM's value)."""
+
+# -- field checks: an event holds only what the codec writes and reads back ----------------
+# Each record checks its fields when it is made, so that nothing downstream (the encoder,
+# a CachedBlocksView, a subscriber) meets a field of a wrong type: what kvfunc's decoder
+# refuses cannot be built, and an event that is built encodes and decodes to itself.
+
+_INT64 = (-(1 << 63), (1 << 64) - 1)  # what msgpack can carry: int64 and uint64
+
+
+def _tuple(value: Any) -> Any:
+    """A list (msgspec's and vLLM's field type) as a tuple; anything else as it is."""
+    return tuple(value) if type(value) is list else value
+
+
+def _fail(owner: str, name: str, what: str, value: object) -> InvalidTypeError:
+    return InvalidTypeError(f"{owner}.{name} must be {what}, got {excerpt(value)}")
+
+
+def _hashes(inst: Any, attribute: Any, value: Any) -> None:
+    owner = type(inst).__name__
+    if type(value) is not tuple or not all(type(h) is bytes for h in value):
+        raise _fail(owner, attribute.name, "a tuple of bytes", value)
+
+
+def _ints(inst: Any, attribute: Any, value: Any) -> None:
+    owner = type(inst).__name__
+    low, high = _INT64
+    if type(value) is not tuple or not all(type(t) is int and low <= t <= high for t in value):
+        raise _fail(owner, attribute.name, "a tuple of ints", value)
+
+
+def _block_ids(inst: Any, attribute: Any, value: Any) -> None:
+    if value is None:
+        return
+    owner = type(inst).__name__
+    if type(value) is not tuple or not all(type(b) is int and 0 <= b <= _INT64[1]
+                                           for b in value):
+        raise _fail(owner, attribute.name, "None or a tuple of non-negative ints", value)
+    if len(value) != len(inst.block_hashes):
+        msg = (f"{owner} has {len(value)} block ids for {len(inst.block_hashes)} hashes")
+        raise InvalidArgumentError(msg)
+
+
+def _optional(kind: type) -> Any:
+    def check(inst: Any, attribute: Any, value: Any) -> None:
+        if value is not None and type(value) is not kind:
+            raise _fail(type(inst).__name__, attribute.name, f"None or a {kind.__name__}", value)
+    return check
+
+
+def _str(inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not str:
+        raise _fail(type(inst).__name__, attribute.name, "a str", value)
+
+
+def _lora_id(inst: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (type(value) is not int or not _INT64[0] <= value <= _INT64[1]):
+        raise _fail(type(inst).__name__, attribute.name, "None or an int", value)
+
+
+def _positive(inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not int or not 1 <= value <= _INT64[1]:
+        raise _fail(type(inst).__name__, attribute.name, "a positive int", value)
+
+
+def _groups(inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not tuple or not all(type(g) is str for g in value):
+        raise _fail(type(inst).__name__, attribute.name, "a tuple of str", value)
 
 
 @attrs.frozen(slots=True)
@@ -74,14 +143,15 @@ class BlockStored:
     (2, None)
     """
 
-    block_hashes: tuple[bytes, ...]
-    parent_block_hash: bytes | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    group: str = ""
-    block_ids: tuple[int, ...] | None = None
+    block_hashes: tuple[bytes, ...] = attrs.field(converter=_tuple, validator=_hashes)
+    parent_block_hash: bytes | None = attrs.field(validator=_optional(bytes))
+    token_ids: tuple[int, ...] = attrs.field(converter=_tuple, validator=_ints)
+    block_size: int = attrs.field(validator=_positive)
+    lora_id: int | None = attrs.field(default=None, validator=_lora_id)
+    medium: str | None = attrs.field(default=None, validator=_optional(str))
+    group: str = attrs.field(default="", validator=_str)
+    block_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_tuple,
+                                                    validator=_block_ids)
 
 
 @attrs.frozen(slots=True)
@@ -99,10 +169,11 @@ class BlockRemoved:
     (2,)
     """
 
-    block_hashes: tuple[bytes, ...]
-    medium: str | None = None
-    group: str = ""
-    block_ids: tuple[int, ...] | None = None
+    block_hashes: tuple[bytes, ...] = attrs.field(converter=_tuple, validator=_hashes)
+    medium: str | None = attrs.field(default=None, validator=_optional(str))
+    group: str = attrs.field(default="", validator=_str)
+    block_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_tuple,
+                                                    validator=_block_ids)
 
 
 @attrs.frozen(slots=True)
@@ -117,11 +188,28 @@ class AllBlocksCleared:
     ((), ('full',))
     """
 
-    groups: tuple[str, ...] = ()
+    groups: tuple[str, ...] = attrs.field(default=(), converter=_tuple, validator=_groups)
 
 
 KVCacheEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 """Any KV event: ``BlockStored | BlockRemoved | AllBlocksCleared``."""
+
+_EVENT_TYPES = frozenset({BlockStored, BlockRemoved, AllBlocksCleared})
+
+
+def _ts(inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is int and -_FLOAT_MAX <= value <= _FLOAT_MAX:
+        return
+    if type(value) is not float:
+        raise _fail("KVEventBatch", "ts", "a float", value)
+
+
+_FLOAT_MAX = int(sys.float_info.max)
+
+
+def _events(inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not tuple or not all(type(e) in _EVENT_TYPES for e in value):
+        raise _fail("KVEventBatch", "events", "a tuple of KV events", value)
 
 
 @attrs.frozen(slots=True)
@@ -137,9 +225,9 @@ class KVEventBatch:
     (AllBlocksCleared(groups=()),)
     """
 
-    ts: float
-    events: tuple[KVCacheEvent, ...]
-    data_parallel_rank: int | None = None
+    ts: float = attrs.field(validator=_ts)
+    events: tuple[KVCacheEvent, ...] = attrs.field(converter=_tuple, validator=_events)
+    data_parallel_rank: int | None = attrs.field(default=None, validator=_lora_id)
 
 
 def _block_sizes(layout: Mapping[str, int] | KVState) -> Mapping[str, int]:
@@ -224,9 +312,12 @@ def events_from_delta(delta: BlocksChanged, block_sizes: Mapping[str, int] | KVS
 
     Raises:
         InvalidTypeError: ``delta`` is not a :class:`~kvfunc.BlocksChanged`,
-            or ``block_sizes`` is neither a state nor a mapping.
+            ``block_sizes`` is neither a state nor a mapping, or ``medium``
+            is neither None nor a str.
         MissingKeyError: a stored row's group has no block size.
         InvalidArgumentError: a block size is not a positive int.
+        ReplayMismatchError: ``delta`` is malformed (a cell of a wrong type,
+            columns that are not parallel; see :meth:`~kvfunc.BlocksChanged.operations`).
 
     >>> import kvfunc as kf
     >>> s = kf.KVState.create({"full": kf.FullAttention(num_blocks=8, block_size=4)}, 64,
@@ -240,6 +331,8 @@ def events_from_delta(delta: BlocksChanged, block_sizes: Mapping[str, int] | KVS
     """
     if not isinstance(delta, BlocksChanged):
         raise InvalidTypeError(f"delta must be a BlocksChanged, got {type(delta).__name__}")
+    if medium is not None and type(medium) is not str:
+        raise InvalidTypeError(f"medium must be None or a str, got {excerpt(medium)}")
     sizes = _block_sizes(block_sizes)
     if not (delta.cleared_keys or delta.evicted_keys or delta.stored_keys):
         return ()

@@ -25,11 +25,13 @@ exactly, which :meth:`CachedBlocksView.matches` checks against a state.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 from pyrsistent import PMap, pmap
 
 from kvfunc.core import InvalidArgumentError, InvalidTypeError, KVState
+from kvfunc.core._internal import excerpt
 from kvfunc.events._events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -47,7 +49,7 @@ _EMPTY: PMap[str, _Index] = pmap()
 def _ids(event: BlockStored | BlockRemoved) -> tuple[int, ...]:
     ids = event.block_ids
     if ids is None:
-        msg = (f"{type(event).__name__} of group {event.group!r} carries no block ids; "
+        msg = (f"{type(event).__name__} of group {excerpt(event.group)} carries no block ids; "
                "a CachedBlocksView needs kvfunc's events")
         raise InvalidArgumentError(msg)
     if len(ids) != len(event.block_hashes):
@@ -80,6 +82,20 @@ def _change(groups: dict[str, _Index], key: str, hashes: tuple[bytes, ...],
         groups.pop(key, None)
 
 
+def _check_groups(inst: Any, attribute: Any, value: Any) -> None:
+    """``{group: {hash: ids}}`` as persistent maps (the entries are the view's own making)."""
+    if type(value) is not PMap or not all(type(k) is str and type(v) is PMap
+                                          for k, v in value.items()):
+        msg = f"groups must be a pmap of str to pmaps, got {excerpt(value)}"
+        raise InvalidTypeError(msg)
+
+
+def _group_name(group: object) -> str:
+    if type(group) is not str:
+        raise InvalidTypeError(f"group must be a str (a manager key), got {excerpt(group)}")
+    return group
+
+
 @attrs.frozen(slots=True)
 class CachedBlocksView:
     """Per group, the cached blocks that a stream of KV events describes (a value).
@@ -101,7 +117,7 @@ class CachedBlocksView:
     (True, True)
     """
 
-    groups: PMap[str, _Index] = _EMPTY
+    groups: PMap[str, _Index] = attrs.field(default=_EMPTY, validator=_check_groups)
 
     @classmethod
     def of_state(cls, state: KVState) -> CachedBlocksView:
@@ -136,6 +152,9 @@ class CachedBlocksView:
         ({b'h': (3,)}, {})
         """
         items = events.events if isinstance(events, KVEventBatch) else events
+        if not isinstance(items, Iterable) or isinstance(items, str | bytes):
+            msg = f"events must be a KVEventBatch or an iterable of events, got {excerpt(items)}"
+            raise InvalidTypeError(msg)
         groups = dict(self.groups)
         for e in items:
             if type(e) is BlockStored or type(e) is BlockRemoved:
@@ -149,11 +168,11 @@ class CachedBlocksView:
 
     def cached(self, group: str) -> dict[bytes, tuple[int, ...]]:
         """``{hash: block ids}`` of ``group``, as ``state.pool_of(group).cached(group)``."""
-        return dict(self.groups.get(group, pmap()))
+        return dict(self.groups.get(_group_name(group), pmap()))
 
     def num_cached_blocks(self, group: str) -> int:
         """Blocks of ``group`` that hold a cached full block."""
-        return sum(len(ids) for ids in self.groups.get(group, pmap()).values())
+        return sum(len(ids) for ids in self.groups.get(_group_name(group), pmap()).values())
 
     def cached_prefix_blocks(self, group: str, block_hashes: Sequence[bytes]) -> int:
         """How many leading blocks of ``block_hashes`` ``group`` has cached (a router's score).
@@ -161,9 +180,14 @@ class CachedBlocksView:
         ``block_hashes`` are hashes of the group's block size (for a group
         whose blocks hold ``m`` hashed blocks, pass every ``m``-th hash).
         """
-        index = self.groups.get(group, pmap())
+        index = self.groups.get(_group_name(group), pmap())
+        if isinstance(block_hashes, str | bytes) or not isinstance(block_hashes, Iterable):
+            msg = f"block_hashes must be a sequence of bytes, got {excerpt(block_hashes)}"
+            raise InvalidTypeError(msg)
         n = 0
         for h in block_hashes:
+            if type(h) is not bytes:
+                raise InvalidTypeError(f"a block hash must be bytes, got {excerpt(h)}")
             if h not in index:
                 break
             n += 1
