@@ -139,8 +139,9 @@ def test_one_paged_group_gets_the_seeds_count(layers: int, heads: int, dim: int,
     info = info_of(*[kv("FullAttention", heads, dim, dtype, bs) for _ in range(layers)])
     config = SizingConfig(batch_size_per_dp_rank=8, mem_fraction_static=fraction,
                           max_prefill_tokens=512)
-    figures: dict[str, Any] = {"free_memory_bytes": memory - int(memory * used), "total_memory_bytes": memory,
-               "extra_reserved_memory_bytes": extra}
+    figures: dict[str, Any] = {"free_memory_bytes": memory - int(memory * used),
+                               "total_memory_bytes": memory,
+                               "extra_reserved_memory_bytes": extra}
     try:
         seed = calculate_block_num(config, info, **figures)
     except InsufficientMemoryError:
