@@ -28,7 +28,7 @@ from kvfunc.cli._custom import load_model_file
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import check_writable
 from kvfunc.cli._log import ReplayFailed, verify_log
-from kvfunc.cli._plan import Budget, PlanConfig, plan_model
+from kvfunc.cli._plan import Budget, PlanConfig, plan_model, render_shared_plan
 from kvfunc.cli._presets import ModelPreset, build_preset, preset_names
 from kvfunc.cli._render import (
     make_console,
@@ -82,7 +82,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        render_plan(report, make_console())
+        console = make_console()
+        render_plan(report, console)
+        render_shared_plan(report, console)
     return 0
 
 
