@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvfunc as kf
 from kvfunc.shell import (
@@ -42,6 +44,7 @@ from test_prefix_shell import (
     Engine,
     SymbolicCache,
     caching_program,
+    check_buffer,
     tokens_of,
 )
 from test_reference_model import (
@@ -236,3 +239,13 @@ def test_overlaid_groups_keep_every_request_on_its_own_prefix() -> None:
                 crossed += b != 0 and owner.get(b, key) != key
                 owner[b] = key
     assert crossed > 100  # block ids really pass between the groups
+
+
+@given(st.randoms(use_true_random=False))
+def test_buffer_equals_rebuild_over_shared_caching_programs(rnd: random.Random) -> None:
+    """Ids unique across groups: the delta-driven tables equal a rebuild after every transition."""
+    state = shared_caching_state(rnd)
+    buf = BlockTableBuffer.from_state(state, max_num_requests=16)
+    for step in caching_program(state, rnd, 20):
+        buf.apply(step.delta)
+        check_buffer(buf, step.state)

@@ -6,11 +6,15 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvfunc as kf
 from kvfunc import COPY_INTO_NEW, BlocksChanged, InvalidArgumentError
 from kvfunc.shell import (
     ALIGNMENT_BYTES,
+    BlockMover,
+    HostBlockPool,
     TinyDecoder,
     TinyDecoderConfig,
     apply_delta,
@@ -177,3 +181,74 @@ def test_a_block_seeded_by_another_group_later_is_not_zeroed() -> None:
     separate = {"a": [torch.arange(1.0, 9.0).view(8, 1)], "b": [torch.arange(1.0, 9.0).view(8, 1)]}
     apply_delta(separate, delta, zero_new_blocks=True)  # two pools: a's block 4 is its own
     assert (0.0, 3.0) == (float(separate["a"][0][4, 0]), float(separate["b"][0][4, 0]))
+
+
+ENTRY_KINDS = st.sampled_from(["full", "swa", "mamba", "latent"])
+
+
+@st.composite
+def shared_models(draw: st.DrawFn) -> kf.ModelCacheInfo:
+    """Random models: layers of full, window, latent and Mamba caches of assorted sizes."""
+    layers = []
+    for i in range(draw(st.integers(1, 6))):
+        caches: list[kf.CacheEntry] = []
+        for j in range(draw(st.integers(1, 2))):
+            kind = draw(ENTRY_KINDS)
+            dtype = draw(st.sampled_from(["fp16", "fp32", "int8"]))
+            if kind == "mamba":
+                caches.append(kf.MambaCacheEntry(
+                    cache_name=f"s{j}", dtype=dtype, needs_block=True,
+                    shape=[draw(st.integers(1, 5)), draw(st.integers(1, 7))]))
+                continue
+            attn = "SlidingWindow" if kind == "swa" else "FullAttention"
+            extra: dict[str, Any] = {"sliding_window": 8} if kind == "swa" else {}
+            dim: Any = [2, draw(st.integers(1, 5))] if kind == "latent" else \
+                draw(st.integers(1, 9))
+            caches.append(kf.CacheEntry(
+                f"c{j}", attn, dim, draw(st.integers(1, 3)), dtype, True,
+                block_size={"full": 4, "latent": 4, "swa": 2}[kind],
+                cache_layout=draw(st.sampled_from(["BnBsND", "BnNBsD"])),
+                manager_key="latent" if kind == "latent" else None, **extra))
+        layers.append(kf.LayerCacheInfo(i, caches))
+    return kf.ModelCacheInfo(len(layers), layers)
+
+
+@given(info=shared_models(), num_blocks=st.integers(1, 4))
+def test_random_models_overlay_without_overlap_between_ids(info: kf.ModelCacheInfo,
+                                                           num_blocks: int) -> None:
+    """Any model: blocks of different ids never share a byte, nor do two blocks of one group."""
+    blocks = spans(with_shared_cache_tensors(info, num_blocks, "cpu"))
+    layout = kf.shared_page_layout(info)
+    for i, (key_a, name_a, b_a, a) in enumerate(blocks):
+        for key_b, name_b, b_b, b in blocks[i + 1:]:
+            if b_a != b_b or key_a == key_b:
+                assert not overlap(a, b), (key_a, name_a, b_a, key_b, name_b, b_b)
+    assert layout.page_bytes == sum(layout.slot_bytes)
+    assert all(g.block_bytes <= layout.page_bytes for g in layout.groups)
+    assert sum(len(s) for *_, s in blocks) == num_blocks * sum(e.block_bytes
+                                                              for e in layout.entries)
+
+
+@pytest.mark.parametrize("host_layout", ["layer", "block"])
+def test_the_host_tier_moves_overlaid_blocks(host_layout: str) -> None:
+    """Store and load one group's blocks of a shared pool; the other group's ids keep theirs."""
+    info = with_shared_cache_tensors(TinyDecoder(TinyDecoderConfig()).cache_info(),
+                                     NUM_BLOCKS, "cpu")
+    tensors = cache_tensors_by_key(info)
+    gen = torch.Generator().manual_seed(0)
+    for views in tensors.values():
+        for view in views.values():
+            view.copy_(torch.randn(view.shape, generator=gen))
+    full, swa = tensors["FullAttention"], tensors["SlidingWindow"]
+    others = {n: v[[2, 4]].clone() for n, v in swa.items()}  # ids the window group holds
+    mover = BlockMover.create(full, HostBlockPool.like(full, 4, layout=host_layout))
+    try:
+        kept = {n: v[[3, 5]].clone() for n, v in full.items()}
+        mover.store([3, 5], [0, 1]).wait()
+        for view in full.values():
+            view[[3, 5]] = 0
+        mover.load([0, 1], [3, 5]).wait()
+    finally:
+        mover.close()
+    assert all(torch.equal(kept[n], v[[3, 5]]) for n, v in full.items())
+    assert all(torch.equal(others[n], v[[2, 4]]) for n, v in swa.items())
