@@ -54,6 +54,9 @@ def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torc
                    layout: str = "BnBsND") -> None:
     """Store ``values[t]`` (one token's ``[N, *dims]`` entry) at slot ``slot_mapping[t]``.
 
+    The cache may be a view whose blocks lie apart (a shared pool's overlaid
+    view, :func:`kvfunc.shell.with_shared_cache_tensors`).
+
     Raises:
         InvalidTypeError: dtype or device of ``values`` differs from the cache's.
         InvalidArgumentError: shapes or lengths that do not fit, a slot
