@@ -28,6 +28,7 @@ from kvfunc.cli._log import DeltaLogWriter, ReplayFailed, state_content, verify_
 from kvfunc.cli._main import main
 from kvfunc.cli._mooncake import UpperBound, upper_bound
 from kvfunc.cli._plan import Budget, GroupPlan, PlanConfig, PlanReport, plan_model, size_blocks
+from kvfunc.cli._plan_shared import SharedGroupPlan, SharedPlan
 from kvfunc.cli._presets import PRESETS, ModelPreset, build_preset, preset_names
 from kvfunc.cli._scheduler import Scheduler, SchedulerConfig
 from kvfunc.cli._simulate import (
@@ -74,6 +75,8 @@ __all__ = [
     "ReplayFailed",
     "Scheduler",
     "SchedulerConfig",
+    "SharedGroupPlan",
+    "SharedPlan",
     "SideReport",
     "SimulationConfig",
     "SimulationResult",

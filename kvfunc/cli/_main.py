@@ -31,7 +31,7 @@ from kvfunc.cli._disagg_cli import check_disaggregated_args, simulate_disaggrega
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import check_writable, show
 from kvfunc.cli._log import ReplayFailed, log_write_error, verify_log
-from kvfunc.cli._plan import Budget, PlanConfig, plan_model
+from kvfunc.cli._plan import Budget, PlanConfig, plan_model, render_shared_plan
 from kvfunc.cli._presets import ModelPreset, build_preset, preset_names
 from kvfunc.cli._render import (
     make_console,
@@ -85,7 +85,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        render_plan(report, make_console())
+        console = make_console()
+        render_plan(report, console)
+        render_shared_plan(report, console)
     return 0
 
 

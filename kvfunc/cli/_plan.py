@@ -14,7 +14,10 @@ time.  Offline mode (``offline_max_len``) sizes paged groups for that
 length instead and only checks that they fit.
 
 Every figure comes from :func:`kvfunc.calculate_block_num`; this module adds
-bytes, token capacity and the concurrency a length allows.
+bytes, token capacity and the concurrency a length allows.  A plan also holds
+the shared layout (one pool for every group, :mod:`kvfunc.cli._plan_shared`,
+sized by :func:`kvfunc.calculate_shared_block_num`), printed after the
+per-type table by :func:`render_shared_plan`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+from rich.console import Console
+from rich.table import Table
 
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import show
+from kvfunc.cli._plan_shared import SharedPlan, blocks_per_request, plan_shared
 from kvfunc.cli._presets import MAX_MODEL_LEN, ModelPreset
 from kvfunc.cli._units import MAX_BYTES, format_bytes
 from kvfunc.core import (
@@ -35,10 +41,11 @@ from kvfunc.core import (
     calculate_block_num,
     calculate_fixed_block_memory_bytes,
     dtype_itemsize,
+    shared_page_layout,
 )
 
 __all__ = ["MAX_CONCURRENCY", "Budget", "GroupPlan", "PlanConfig", "PlanReport", "plan_model",
-           "size_blocks"]
+           "render_shared_plan", "size_blocks"]
 
 #: The most requests a plan or a simulation may run at once (``--concurrency``).
 MAX_CONCURRENCY = 2**20
@@ -131,11 +138,15 @@ class GroupPlan:
 
 @attrs.frozen
 class PlanReport:
-    """A whole plan: one :class:`GroupPlan` per manager key, in manager order."""
+    """A whole plan: one :class:`GroupPlan` per manager key, in manager order (the per-type
+    layout), and the shared layout's pool (``shared``, or why it does not fit: ``shared_error``).
+    """
 
     model: ModelPreset
     config: PlanConfig
     groups: tuple[GroupPlan, ...]
+    shared: SharedPlan | None = None
+    shared_error: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -167,6 +178,8 @@ class PlanReport:
                        for g in self.groups],
             "total_bytes": self.total_bytes,
             "max_concurrency": self.max_concurrency,
+            "shared": (self.shared.to_json() if self.shared is not None
+                       else {"error": self.shared_error}),
         }
 
 
@@ -182,18 +195,6 @@ def _entry_block_bytes(cache: CacheEntry) -> int:
     if cache.attn_type == "SlidingWindow":
         return cache.block_size * token_bytes  # windows are sized uncompressed
     return cache.block_size * (token_bytes // cache.compress_ratio)
-
-
-def _blocks_per_request(attn_type: str, block_size: int, window: int | None, next_n: int,
-                        length: int) -> int:
-    """Blocks one request of ``length`` tokens holds at its peak in one group."""
-    if attn_type == "Mamba":
-        return 1 + next_n
-    # A decode step with MTP may write 2 * next_n tokens past the request.
-    full = -(-(length + 2 * next_n) // block_size)
-    if attn_type == "SlidingWindow" and window is not None:
-        return min(full, -(-(window + 2 * next_n) // block_size) + 1)
-    return full
 
 
 def _explain_shortage(model: ModelPreset, config: PlanConfig, sizing: SizingConfig,
@@ -224,6 +225,12 @@ def _explain_shortage(model: ModelPreset, config: PlanConfig, sizing: SizingConf
     return f"{have}; {why}: {fix}"
 
 
+def _sizing_config(model: ModelPreset, config: PlanConfig) -> SizingConfig:
+    return SizingConfig(batch_size_per_dp_rank=config.concurrency,
+                        mem_fraction_static=float(config.budget.mem_fraction),
+                        max_prefill_tokens=config.max_prefill_tokens, next_n=model.next_n)
+
+
 def size_blocks(model: ModelPreset, config: PlanConfig) -> dict[str, int]:
     """``{manager_key: num_blocks}`` from :func:`kvfunc.calculate_block_num`.
 
@@ -235,9 +242,7 @@ def size_blocks(model: ModelPreset, config: PlanConfig) -> dict[str, int]:
     {'FullAttention': 29491}
     """
     budget = config.budget
-    sizing = SizingConfig(batch_size_per_dp_rank=config.concurrency,
-                          mem_fraction_static=float(budget.mem_fraction),
-                          max_prefill_tokens=config.max_prefill_tokens, next_n=model.next_n)
+    sizing = _sizing_config(model, config)
     try:
         blocks = calculate_block_num(
             sizing, model.cache_info, free_memory_bytes=budget.memory_bytes - budget.used_bytes,
@@ -274,10 +279,78 @@ def plan_model(model: ModelPreset, config: PlanConfig) -> PlanReport:
         attn_type, block_size = first.attn_type, first.block_size or 1
         blocks = num_blocks[key]
         block_bytes = sum(_entry_block_bytes(e) for e in entries)
-        per_request = _blocks_per_request(attn_type, block_size, first.sliding_window,
+        per_request = blocks_per_request(attn_type, block_size, first.sliding_window,
                                           model.next_n, config.max_len)
         rows.append(GroupPlan(
             key, attn_type, "fixed" if attn_type in ("SlidingWindow", "Mamba") else "paged",
             block_size, blocks, None if attn_type == "Mamba" else (blocks - 1) * block_size,
             block_bytes, blocks * block_bytes, per_request, (blocks - 1) // per_request))
-    return PlanReport(model, config, tuple(rows))
+    shared, error = _plan_shared_layout(model, config)
+    return PlanReport(model, config, tuple(rows), shared, error)
+
+
+def _plan_shared_layout(model: ModelPreset, config: PlanConfig
+                        ) -> tuple[SharedPlan | None, str | None]:
+    """The shared layout's plan, or why it cannot be made (the per-type plan fits)."""
+    budget = config.budget
+    try:
+        shared = plan_shared(model.cache_info, _sizing_config(model, config),
+                             memory_bytes=budget.memory_bytes, used_bytes=budget.used_bytes,
+                             extra_reserved_bytes=budget.extra_reserved_bytes,
+                             max_len=config.max_len, offline_max_len=config.offline_max_len)
+    except MemoryError as exc:
+        return None, f"does not fit the budget: {exc}{_padding_hint(model)}"
+    except ValueError as exc:
+        return None, f"cannot be sized: {exc}"
+    return shared, None
+
+
+def _padding_hint(model: ModelPreset) -> str:
+    """Why a shared page is large: the groups that fill little of it, and what vLLM does."""
+    layout = shared_page_layout(model.cache_info)
+    page = layout.page_bytes
+    thin = [f"{g.manager_key} fills {g.block_bytes / page:.1%}" for g in layout.groups
+            if page and g.block_bytes < page / 2]
+    if not thin:
+        return ""
+    return (f" (a page of {format_bytes(page)}: {', '.join(thin)} of it; vLLM raises such a "
+            "group's block_size to fill the page, or splits the larger group's layers into "
+            "groups of equal size by manager_key)")
+
+
+def render_shared_plan(report: PlanReport, console: Console) -> None:
+    """Print the shared layout of a plan: the pool, its page, one row per group.
+
+    >>> import io
+    >>> from kvfunc.cli._presets import build_preset
+    >>> out = Console(file=io.StringIO(), width=120)
+    >>> render_shared_plan(plan_model(build_preset("gpt-oss-120b"),
+    ...                               PlanConfig(Budget(80 * 2**30))), out)
+    >>> "131,071 usable blocks of 576.00 KiB (18 layer slots)" in out.file.getvalue()
+    True
+    """
+    shared, cfg = report.shared, report.config
+    console.print()
+    console.print("[bold]shared layout[/bold]: one pool for every group, block ids unique "
+                  "across groups (vLLM's hybrid layout); the table above is the per-type "
+                  "layout, a pool per manager key")
+    if shared is None:
+        console.print(f"the shared layout {report.shared_error}", soft_wrap=True)
+        return
+    console.print(f"pool: {shared.num_blocks - 1:,} usable blocks of "
+                  f"{format_bytes(shared.page_bytes)} ({shared.num_slots} layer slots), "
+                  f"{format_bytes(shared.total_bytes)}")
+    table = Table(show_edge=False)
+    for header in ("manager key", "type", "block\nsize", "layers", "block\nbytes",
+                   "page\nused", "tokens\nalone", "blocks/\nreq"):
+        table.add_column(header, justify="left" if header in ("manager key", "type")
+                         else "right")
+    for g in shared.groups:
+        table.add_row(g.manager_key, g.attn_type, str(g.block_size), str(g.num_layers),
+                      format_bytes(g.block_bytes), f"{g.page_share:.0%}",
+                      "-" if g.tokens is None else f"{g.tokens:,}", f"{g.blocks_per_request:,}")
+    console.print(table)
+    console.print(f"requests of {cfg.max_len:,} tokens that fit at once: "
+                  f"[bold]{shared.max_concurrency:,}[/bold] (per-type: "
+                  f"{report.max_concurrency:,}) (tokens alone: what the usable blocks hold if "
+                  "one group held them all; page used: the part of each block a group fills)")

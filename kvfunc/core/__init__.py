@@ -4,6 +4,7 @@ Imports only the standard library, attrs and pyrsistent (never torch).  The
 modules, by what they hold:
 
 * metadata and sizing: ``_cache_info``, ``_dtypes``, ``_validate``, ``_sizing``,
+  ``_shared_sizing`` (a pool shared by every group),
   ``_sizing_config``;
 * policies (one per attention type): ``_policies``; the questions the
   allocator asks them, one function each: ``_policy``;
@@ -90,6 +91,14 @@ from kvfunc.core._prefix_ops import (
     reset_prefix_cache,
 )
 from kvfunc.core._replay import replay
+from kvfunc.core._shared_sizing import (
+    GroupPage,
+    PageEntry,
+    SharedPageLayout,
+    SharedPoolSizing,
+    calculate_shared_block_num,
+    shared_page_layout,
+)
 from kvfunc.core._sizing import (
     SizingConfig,
     calculate_block_num,
@@ -142,6 +151,7 @@ __all__ = [
     "Evicted",
     "Freed",
     "FullAttention",
+    "GroupPage",
     "GroupState",
     "InsufficientMemoryError",
     "InvalidArgumentError",
@@ -164,6 +174,7 @@ __all__ = [
     "OffloadWorkspaceMemoryInfo",
     "Operation",
     "OutOfBlocksError",
+    "PageEntry",
     "Policy",
     "PoolState",
     "PrefixCacheStats",
@@ -173,6 +184,8 @@ __all__ = [
     "ReplayMismatchError",
     "RequestId",
     "Shared",
+    "SharedPageLayout",
+    "SharedPoolSizing",
     "SizingConfig",
     "SlidingWindow",
     "SlotRequest",
@@ -183,6 +196,7 @@ __all__ = [
     "allocate_slots",
     "calculate_block_num",
     "calculate_fixed_block_memory_bytes",
+    "calculate_shared_block_num",
     "check_invariants",
     "detach_request",
     "dtype_itemsize",
@@ -202,5 +216,6 @@ __all__ = [
     "registered_attn_types",
     "replay",
     "reset_prefix_cache",
+    "shared_page_layout",
     "validate_cache_info",
 ]

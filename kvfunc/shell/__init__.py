@@ -1,7 +1,8 @@
 """The torch shell: turns the pure core's states and deltas into tensors.
 
 The shell has no policy.  It resolves devices (:func:`resolve_device`),
-allocates cache tensors (:func:`with_cache_tensors`), builds block tables
+allocates cache tensors (:func:`with_cache_tensors`; for a pool shared by
+every group, overlaid views: :func:`with_shared_cache_tensors`), builds block tables
 and slot mappings from a state (:func:`build_block_tables`,
 :func:`build_slot_mappings`) or keeps them up to date from deltas
 (:class:`BlockTableBuffer`), performs the block operations a delta asks for
@@ -38,6 +39,11 @@ from kvfunc.shell._reference_attention import (
     write_to_cache,
 )
 from kvfunc.shell._reference_model import TinyDecoder, TinyDecoderConfig
+from kvfunc.shell._shared_tensors import (
+    create_shared_cache_tensors,
+    overlay_view,
+    with_shared_cache_tensors,
+)
 from kvfunc.shell._store_errors import (
     MOONCAKE_ERROR_CODES,
     StoreConflictError,
@@ -110,6 +116,7 @@ __all__ = [
     "cache_tensors_by_key",
     "copy_blocks",
     "create_cache_tensors",
+    "create_shared_cache_tensors",
     "device_memory_info",
     "empty_aligned",
     "empty_host_addressable",
@@ -117,6 +124,7 @@ __all__ = [
     "host_memory_info",
     "import_torch_npu",
     "mooncake_error",
+    "overlay_view",
     "paged_attention",
     "plan_cache_tensors",
     "resolve_device",
@@ -125,6 +133,7 @@ __all__ = [
     "swap_blocks",
     "torch_dtype",
     "with_cache_tensors",
+    "with_shared_cache_tensors",
     "write_to_cache",
     "zero_blocks",
 ]

@@ -227,6 +227,13 @@ def apply_delta(tensors_by_key: Mapping[str, TensorSet], delta: BlocksChanged, *
     delta, have been handed out to another request as a new block.  Every
     key's operations are checked before any tensor is written.
 
+    Keys whose tensors share memory (the overlaid views of a shared pool,
+    :func:`kvfunc.shell.with_shared_cache_tensors`) are one block space: a
+    copy of one group waits for another group's earlier copy that writes its
+    block, every source in shared memory is read before a destination there
+    is written, and a block handed out to one group and then seeded by a
+    later copy of another is not zeroed.
+
     Raises:
         MissingKeyError: the delta names a key without tensors.
         InvalidTypeError, InvalidArgumentError, BlockIndexError: as
@@ -248,62 +255,118 @@ def apply_delta(tensors_by_key: Mapping[str, TensorSet], delta: BlocksChanged, *
     """
     if not isinstance(delta, BlocksChanged):
         raise InvalidTypeError(f"expected a BlocksChanged delta, got {type(delta).__name__}")
-    copies: dict[str, list[tuple[int, int]]] = {}
-    appended: dict[str, list[int]] = {}
+    copies: list[tuple[str, int, int]] = []
+    appended: list[tuple[int, str, int]] = []  # (copies before it, key, block)
     seeded: set[tuple[str, int]] = set()
     for op in delta.operations():  # in the order the transition performed them
         if type(op) is Copied:
-            copies.setdefault(op.key, []).append((op.src_block_id, op.dst_block_id))
+            copies.append((op.key, op.src_block_id, op.dst_block_id))
             if op.position == COPY_INTO_NEW:
                 seeded.add((op.key, op.dst_block_id))
-        elif type(op) is Appended and op.block_id:
-            appended.setdefault(op.key, []).append(op.block_id)
-    zeros: dict[str, list[int]] = {}
-    if zero_new_blocks:
-        for key, blocks in appended.items():
-            kept = [b for b in blocks if (key, b) not in seeded]
-            if kept:
-                zeros[key] = kept
-    copy_plan: list[tuple[_Named, _Ids, _Ids]] = []
-    zero_plan: list[tuple[_Named, _Ids]] = []
-    for key in dict.fromkeys([*copies, *zeros]):
+        elif type(op) is Appended and op.block_id and zero_new_blocks:
+            appended.append((len(copies), op.key, op.block_id))
+    named: dict[str, _Named] = {}
+    for key in dict.fromkeys([k for k, _, _ in copies] + [k for _, k, _ in appended]):
         if key not in tensors_by_key:
             msg = f"the delta names manager_key={key!r}, which has no tensors"
             raise MissingKeyError(msg)
-        named = _named(tensors_by_key[key], f"tensors_by_key[{key!r}]")
-        for srcs, dsts in _waves(copies.get(key, ())):
-            src = _Ids(srcs, f"copy sources of {key!r}")
-            dst = _Ids(dsts, f"copy destinations of {key!r}")
-            src.check_range(named)
-            dst.check_range(named)
-            copy_plan.append((named, src, dst))
-        if key in zeros:
-            ids = _Ids(zeros[key], f"new blocks of {key!r}")
-            ids.check_range(named)
-            zero_plan.append((named, ids))
-    for named, src, dst in copy_plan:
-        _copy(named, src, dst)
-    for named, ids in zero_plan:
-        _zero(named, ids)
+        named[key] = _named(tensors_by_key[key], f"tensors_by_key[{key!r}]")
+    domain = _domains(named)
+    copy_plan = [[(named[key], _Ids(srcs, f"copy sources of {key!r}"),
+                   _Ids(dsts, f"copy destinations of {key!r}"))
+                  for key, (srcs, dsts) in wave.items()] for wave in _waves(copies, domain)]
+    zero_plan = [(named[key], _Ids(blocks, f"new blocks of {key!r}"))
+                 for key, blocks in _zeros(appended, copies, seeded, domain).items()]
+    for wave in copy_plan:
+        for tensors, src, dst in wave:
+            src.check_range(tensors)
+            dst.check_range(tensors)
+    for tensors, ids in zero_plan:
+        ids.check_range(tensors)
+    for wave in copy_plan:
+        _copy_wave(wave)
+    for tensors, ids in zero_plan:
+        _zero(tensors, ids)
 
 
-def _waves(pairs: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
-    """Split copies (in order) into runs that may each run at once.
+def _domains(named: Mapping[str, _Named]) -> dict[str, int]:
+    """A number per key; keys whose tensors share a storage (overlaid views) share it.
+
+    >>> t = torch.zeros(4, 2)
+    >>> _domains({"a": [("x", t[:, :1])], "b": [("y", t[:, 1:])], "c": [("z", torch.ones(1))]})
+    {'a': 0, 'b': 0, 'c': 2}
+    """
+    keys = list(named)
+    parent = list(range(len(keys)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, key in enumerate(keys):
+        for _, t in named[key]:
+            j = owner.setdefault(t.untyped_storage().data_ptr(), i)
+            a, b = root(i), root(j)
+            parent[max(a, b)] = min(a, b)
+    return {key: root(i) for i, key in enumerate(keys)}
+
+
+def _zeros(appended: Sequence[tuple[int, str, int]], copies: Sequence[tuple[str, int, int]],
+           seeded: set[tuple[str, int]], domain: Mapping[str, int]) -> dict[str, list[int]]:
+    """The new blocks to zero per key: those that no copy seeds, in their own group or,
+    after they were handed out, in another group that shares their memory.
+
+    >>> _zeros([(0, "a", 5), (0, "a", 6)], [("b", 1, 5)], set(), {"a": 0, "b": 0})
+    {'a': [6]}
+    """
+    into: dict[tuple[int, int], list[tuple[int, str]]] = {}
+    for i, (key, _, dst) in enumerate(copies):
+        into.setdefault((domain[key], dst), []).append((i, key))
+    out: dict[str, list[int]] = {}
+    for before, key, b in appended:
+        if (key, b) in seeded or any(i >= before and k != key
+                                     for i, k in into.get((domain[key], b), ())):
+            continue
+        out.setdefault(key, []).append(b)
+    return out
+
+
+def _copy_wave(wave: Sequence[tuple[_Named, _Ids, _Ids]]) -> None:
+    """Run one wave of copies: in each storage, every source is read before any write."""
+    by_storage: dict[int, list[tuple[torch.Tensor, _Ids, _Ids]]] = {}
+    for tensors, src, dst in wave:
+        if len(src):
+            for _, t in tensors:
+                by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((t, src, dst))
+    for items in by_storage.values():
+        read = [t.index_select(0, src.on(t.device)) for t, src, _ in items]
+        for (t, _, dst), values in zip(items, read, strict=True):
+            t.index_copy_(0, dst.on(t.device), values)
+
+
+def _waves(copies: Sequence[tuple[str, int, int]], domain: Mapping[str, int]
+           ) -> list[dict[str, tuple[list[int], list[int]]]]:
+    """Split copies (in order) into runs that may each run at once, per key.
 
     A run ends before a copy whose source or destination an earlier copy of
-    the run writes, so running the runs one after the other, each reading all
-    its sources first, equals running the copies one by one.
+    the run writes, in the same block space (keys of one domain share one),
+    so running the runs one after the other, each reading all its sources
+    first, equals running the copies one by one.
 
-    >>> _waves([(1, 2), (2, 3), (5, 6), (1, 3)])
-    [([1], [2]), ([2, 5], [3, 6]), ([1], [3])]
+    >>> _waves([("a", 1, 2), ("a", 2, 3), ("b", 2, 6), ("a", 1, 3)], {"a": 0, "b": 1})
+    [{'a': ([1], [2])}, {'a': ([2], [3]), 'b': ([2], [6])}, {'a': ([1], [3])}]
     """
-    out: list[tuple[list[int], list[int]]] = []
-    written: set[int] = set()
-    for s, d in pairs:
-        if not out or s in written or d in written:
-            out.append(([], []))
+    out: list[dict[str, tuple[list[int], list[int]]]] = []
+    written: set[tuple[int, int]] = set()
+    for key, s, d in copies:
+        space = domain[key]
+        if not out or (space, s) in written or (space, d) in written:
+            out.append({})
             written = set()
-        out[-1][0].append(s)
-        out[-1][1].append(d)
-        written.add(d)
+        srcs, dsts = out[-1].setdefault(key, ([], []))
+        srcs.append(s)
+        dsts.append(d)
+        written.add((space, d))
     return out

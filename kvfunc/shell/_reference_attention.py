@@ -54,6 +54,9 @@ def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torc
                    layout: str = "BnBsND") -> None:
     """Store ``values[t]`` (one token's ``[N, *dims]`` entry) at slot ``slot_mapping[t]``.
 
+    The cache may be a view whose blocks lie apart (a shared pool's overlaid
+    view, :func:`kvfunc.shell.with_shared_cache_tensors`).
+
     Raises:
         InvalidTypeError: dtype or device of ``values`` differs from the cache's.
         InvalidArgumentError: shapes or lengths that do not fit, a slot
@@ -79,8 +82,10 @@ def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torc
         bad = int(slots.min()) if int(slots.min()) < 0 else int(slots.max())
         raise InvalidArgumentError(f"slot_mapping holds slot {bad}, outside [0, {limit})")
     slots = slots.to(cache.device)
-    if layout == "BnBsND":
+    if layout == "BnBsND" and cache.stride(0) == bs * cache.stride(1):
         cache.view(limit, *cache.shape[2:]).index_copy_(0, slots, values)
+    elif layout == "BnBsND":  # blocks apart (a shared pool's overlaid view): no flat view
+        cache[slots // bs, slots % bs] = values
     else:
         cache[slots // bs, :, slots % bs] = values
 

@@ -36,6 +36,7 @@ from kvfunc.shell import (
     build_block_tables,
     cache_tensors_by_key,
     with_cache_tensors,
+    with_shared_cache_tensors,
 )
 
 HASH_BLOCK = 2  # hashes' block size: divides every group block size below
@@ -367,15 +368,20 @@ CONFIG = TinyDecoderConfig(sliding_window=6)
 class Engine:
     """A caching state, the model's caches, a block-table buffer; deltas applied to both."""
 
-    def __init__(self, pools: dict[str, int], zero_new_blocks: bool) -> None:
+    def __init__(self, pools: dict[str, int], zero_new_blocks: bool,
+                 layout: str = "per-type") -> None:
         self.model = TinyDecoder(CONFIG)
-        info = with_cache_tensors(self.model.cache_info(), pools, "cpu")
+        if layout == "shared":  # one pool: the groups' tensors overlay each other
+            (num_blocks,) = set(pools.values())
+            info = with_shared_cache_tensors(self.model.cache_info(), num_blocks, "cpu")
+        else:
+            info = with_cache_tensors(self.model.cache_info(), pools, "cpu")
         self.model.bind_caches(info)
         for cache in self.model.caches.values():
             cache.fill_(float("nan"))
         self.tensors = cache_tensors_by_key(info)
         self.state = kf.KVState.from_cache_info(info, pools, CONFIG.max_model_len,
-                                                enable_prefix_caching=True)
+                                                enable_prefix_caching=True, layout=layout)
         self.buffer = BlockTableBuffer.from_state(self.state, max_num_requests=8)
         self.zero_new_blocks = zero_new_blocks
         self.tokens: dict[str, list[int]] = {}

@@ -1,0 +1,187 @@
+"""Cache tensors of one block pool shared by every group: views that overlay each other.
+
+Theory of operation
+-------------------
+With ``layout="shared"`` a block id is one page of the pool, whichever group
+holds it (:func:`kvfunc.shared_page_layout`).  The memory is one buffer per
+*layer slot*: slot ``j`` holds ``num_blocks`` pages of ``slot_bytes[j]``
+bytes, and the ``j``-th layer of every group lives in it.  Each cache entry
+gets a view of its slot: block ``b`` of the entry is the entry's bytes at its
+offset inside page ``b``::
+
+    slot j:   | page 0             | page 1             | ...     (slot_bytes[j] each)
+    full, layer 2j+1:  [ K    | V    ]   [ K    | V    ]
+    swa,  layer 2j:    [ K    | V    ]   [ K    | V    ]          the same bytes
+
+    entry view: (num_blocks, *block shape), view[b] = its bytes in page b
+                (contiguous; consecutive blocks slot_bytes[j] apart)
+
+Two groups never hold the same block id at once, so the overlay is safe:
+what one group writes into its blocks is never read through another's.  The
+views are ordinary tensors with the per-type shapes (``tensor[b]`` is block
+``b``), so block tables, slot mappings, :func:`~kvfunc.shell.apply_delta`
+and the host tier work on them unchanged; only their first stride differs
+when a slot's page holds more than the entry.  Device buffers start at a
+2 MiB boundary.  ``swapped_memory`` entries are not overlaid: each gets a
+host tensor of its own, as :func:`~kvfunc.shell.with_cache_tensors` makes.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from kvfunc.core import (
+    MAX_NUM_BLOCKS,
+    CacheAllocator,
+    InvalidArgumentError,
+    ModelCacheInfo,
+    PageEntry,
+    SharedPageLayout,
+    shared_page_layout,
+)
+from kvfunc.shell._device import DeviceLike, resolve_device
+from kvfunc.shell._tensors import (
+    CacheTensorSpec,
+    empty_aligned,
+    empty_host_addressable,
+    plan_cache_tensors,
+)
+
+__all__ = ["create_shared_cache_tensors", "overlay_view", "with_shared_cache_tensors"]
+
+
+def _check_num_blocks(num_blocks: object) -> int:
+    if type(num_blocks) is not int or not 0 <= num_blocks <= MAX_NUM_BLOCKS:
+        msg = f"num_blocks must be an int in 0..{MAX_NUM_BLOCKS}, but got {num_blocks!r}"
+        raise InvalidArgumentError(msg)
+    return num_blocks
+
+
+def overlay_view(buffer: torch.Tensor, offset: int, block_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """A ``(num_blocks, *block_shape)`` view of ``dtype`` into a ``(num_blocks, page)`` byte buffer.
+
+    Block ``b`` of the view is the bytes ``offset ..`` of page ``b``.
+
+    Raises:
+        InvalidArgumentError: a buffer that is not 2-D ``uint8``, an offset not a
+            multiple of the element size, or blocks that pass the page's end.
+
+    >>> buf = torch.zeros(3, 8, dtype=torch.uint8)
+    >>> v = overlay_view(buf, 4, (2,), torch.int16)
+    >>> v[1] = 257; buf[1].tolist()
+    [0, 0, 0, 0, 1, 1, 1, 1]
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for d in block_shape:
+        numel *= d
+    nbytes = numel * itemsize
+    if buffer.dim() != 2 or buffer.dtype != torch.uint8:
+        msg = f"the buffer must be a 2-D uint8 tensor, but got {buffer.dtype} {list(buffer.shape)}"
+        raise InvalidArgumentError(msg)
+    page = buffer.shape[1]
+    if type(offset) is not int or offset < 0 or offset % itemsize or page % itemsize \
+            or offset + nbytes > page:
+        msg = (f"a block of {nbytes} bytes of {dtype} at offset {offset!r} does not fit a page "
+               f"of {page} bytes at its element size")
+        raise InvalidArgumentError(msg)
+    rows = buffer[:, offset:offset + nbytes].view(dtype)
+    return rows.view(buffer.shape[0], *block_shape)
+
+
+def create_shared_cache_tensors(specs: list[CacheTensorSpec], layout: SharedPageLayout,
+                                num_blocks: int, device: DeviceLike) -> list[torch.Tensor]:
+    """One tensor per spec: overlaid views for device entries, own tensors for swapped ones.
+
+    ``specs`` come from :func:`~kvfunc.shell.plan_cache_tensors` of the
+    ``cache_info`` that ``layout`` was made from, every group at ``num_blocks``.
+
+    Raises:
+        InvalidArgumentError: specs and layout that do not describe the same entries.
+
+    >>> import kvfunc as kf
+    >>> from kvfunc.shell import plan_cache_tensors
+    >>> full = kf.CacheEntry("k", "FullAttention", 8, 2, "fp32", True, block_size=4)
+    >>> swa = kf.CacheEntry("k", "SlidingWindow", 8, 2, "fp32", True, block_size=4,
+    ...                     sliding_window=8)
+    >>> info = kf.ModelCacheInfo(2, [kf.LayerCacheInfo(0, [full]), kf.LayerCacheInfo(1, [swa])])
+    >>> specs = plan_cache_tensors(info, {"FullAttention": 6, "SlidingWindow": 6})
+    >>> a, b = create_shared_cache_tensors(specs, kf.shared_page_layout(info), 6, "cpu")
+    >>> a.shape, a.data_ptr() == b.data_ptr()
+    (torch.Size([6, 4, 2, 8]), True)
+    """
+    n = _check_num_blocks(num_blocks)
+    dev = resolve_device(device)
+    device_specs = [s for s in specs if s.allocator is CacheAllocator.HBM]
+    if len(device_specs) != len(layout.entries):
+        msg = (f"{len(device_specs)} device cache entries, but the page layout places "
+               f"{len(layout.entries)}")
+        raise InvalidArgumentError(msg)
+    places = dict(zip(map(id, device_specs), layout.entries, strict=True))
+    for spec in device_specs:
+        _check_place(spec, places[id(spec)], n)
+    buffers = [empty_aligned((n, page), torch.uint8, dev) for page in layout.slot_bytes]
+    out = []
+    for spec in specs:
+        place = places.get(id(spec))
+        if place is None:
+            out.append(empty_host_addressable(spec.shape, spec.dtype, dev))
+        else:
+            out.append(overlay_view(buffers[place.slot], place.offset, spec.shape[1:], spec.dtype))
+    return out
+
+
+def _check_place(spec: CacheTensorSpec, place: PageEntry, num_blocks: int) -> None:
+    entry = spec.entry
+    nbytes = spec.dtype.itemsize
+    for d in spec.shape[1:]:
+        nbytes *= d
+    mine = (entry.group_key, spec.layer_idx, entry.cache_name, num_blocks, nbytes)
+    placed = (place.manager_key, place.layer_idx, place.cache_name, spec.shape[0],
+              place.block_bytes)
+    if mine != placed:
+        msg = (f"cache {entry.cache_name} of layer {spec.layer_idx} does not match its place "
+               f"in the page layout: (key, layer, name, blocks, block bytes) {mine} vs "
+               f"{placed}")
+        raise InvalidArgumentError(msg)
+
+
+def with_shared_cache_tensors(cache_info: ModelCacheInfo, num_blocks: int,
+                              device: DeviceLike = "auto") -> ModelCacheInfo:
+    """A new ``ModelCacheInfo`` whose paged entries carry the tensors of one shared pool.
+
+    The twin of :func:`~kvfunc.shell.with_cache_tensors` for a state made with
+    ``layout="shared"`` over ``num_blocks`` blocks (see the module docstring):
+    the groups' tensors overlay each other in one buffer per layer slot, so
+    the pool costs ``num_blocks * page_bytes`` bytes
+    (:func:`kvfunc.calculate_shared_block_num` gives both).  The input
+    records are left as they were; tensors are uninitialised.
+
+    Raises:
+        InvalidArgumentError: a bad ``num_blocks``; as
+            :func:`~kvfunc.shell.plan_cache_tensors`, before anything is allocated.
+        InvalidCacheInfo: as :func:`kvfunc.shared_page_layout` and
+            :func:`~kvfunc.shell.plan_cache_tensors`.
+
+    >>> import kvfunc as kf
+    >>> full = kf.CacheEntry("k", "FullAttention", 8, 2, "fp16", True, block_size=4)
+    >>> swa = kf.CacheEntry("k", "SlidingWindow", 8, 2, "fp16", True, block_size=4,
+    ...                     sliding_window=8)
+    >>> info = kf.ModelCacheInfo(2, [kf.LayerCacheInfo(0, [full]), kf.LayerCacheInfo(1, [swa])])
+    >>> new = with_shared_cache_tensors(info, 5, "cpu")
+    >>> a, b = (layer.caches[0].tensor for layer in new.layer_infos)
+    >>> a.shape, a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    (torch.Size([5, 4, 2, 8]), True)
+    """
+    n = _check_num_blocks(num_blocks)
+    layout = shared_page_layout(cache_info)
+    specs = plan_cache_tensors(cache_info, dict.fromkeys(layout.manager_keys, n))
+    tensors = iter(create_shared_cache_tensors(specs, layout, n, device))
+    layers = []
+    for layer in cache_info.layer_infos:
+        caches = tuple(attrs.evolve(e, tensor=next(tensors)) if e.needs_block else e
+                       for e in layer.caches)
+        layers.append(attrs.evolve(layer, caches=caches))
+    return attrs.evolve(cache_info, layer_infos=layers)
