@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from kvfunc.vllm._layout import NotModelledError
     from kvfunc.vllm._manager import KVCacheManager
     from kvfunc.vllm._plugin import install, installed_mode, uninstall
-    from kvfunc.vllm._shadow import Divergence, DivergenceError, ShadowKVCacheManager
+    from kvfunc.vllm._shadow import ShadowKVCacheManager
+    from kvfunc.vllm._shadow_log import Divergence, DivergenceError
     from kvfunc.vllm._views import ManagerInternalsError
 
 __all__ = [
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 _WHERE = {
-    "Divergence": "_shadow", "DivergenceError": "_shadow", "KVCacheManager": "_manager",
+    "Divergence": "_shadow_log", "DivergenceError": "_shadow_log", "KVCacheManager": "_manager",
     "ManagerInternalsError": "_views", "NotModelledError": "_layout",
     "ShadowKVCacheManager": "_shadow", "install": "_plugin", "installed_mode": "_plugin",
     "uninstall": "_plugin",

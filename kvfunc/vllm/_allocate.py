@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvfunc as kf
-from kvfunc.vllm import _accounting
+from kvfunc.vllm import _accounting, _inflight
 from kvfunc.vllm._base import ManagerBase
 from kvfunc.vllm._events import cached_block_events
 
@@ -130,23 +130,55 @@ class Allocation(ManagerBase):
                 request, hit, computed, watermark):
             return None
         processed = max(0, computed - request.num_in_flight_tokens)
-        start = num_new_computed_tokens if hit is not None else processed
         written = computed + num_new_tokens
-        result = kf.allocate_slots(state, rid, start, written - start, num_lookahead_tokens,
-                                   block_hashes=self._hashes_for(request, hit,
-                                                                 delay_cache_blocks),
-                                   prefix_hit=hit)
-        if not result.ok or (
+        hashes = self._hashes_for(request, hit, delay_cache_blocks)
+        result = self._transition(rid, hit, processed, computed, written, num_lookahead_tokens,
+                                  hashes)
+        if result is None or (
                 (reserved_blocks or watermark)
-                and result.state.pools[0].num_free < reserved_blocks + watermark):
+                and result[0].pools[0].num_free < reserved_blocks + watermark):
             if state.group(self._layout.keys[0]).row(rid) is not None:
                 self._commit(*kf.recycle_skipped_blocks(state, rid, processed),
                              "recycle_skipped_blocks", request, (processed,))
             return None
-        self._commit(result.state, result.delta, "allocate_slots", request,
-                     (start, written - start, num_lookahead_tokens,
-                      None if hit is None else hit.num_tokens))
-        return self._new_blocks(result.delta, rid)
+        new_state, delta = result
+        if "A" not in delta.order:  # no block taken: the common decode step
+            self._commit(new_state, delta, "allocate_slots", request, (computed, written))
+            return self.empty_kv_cache_blocks
+        blocks, zeroed = self._new_blocks(state, new_state, rid, hit,
+                                          computed if num_external_computed_tokens else 0,
+                                          skip_zeroing_group_ids)
+        self._commit(new_state, delta, "allocate_slots", request, (computed, written),
+                     zeroed=zeroed)
+        return blocks
+
+    def _transition(self, rid: str, hit: kf.PrefixHit | None, processed: int, computed: int,
+                    written: int, lookahead: int, hashes: kf.BlockHashes | None
+                    ) -> tuple[kf.KVState, kf.BlocksChanged] | None:
+        """The allocation as one kvfunc transition, or None when it does not fit.
+
+        kvfunc lets a window's blocks go below ``computed_tokens``; vLLM lets
+        them go below the processed tokens only (tokens still in flight keep
+        their window).  When the two differ, the step is two entries of one
+        ``allocate_batch``: the windows recycle at the processed count alone,
+        then the request allocates from a count that recycles no further
+        (``_inflight``).
+        """
+        state = self._state
+        if hit is not None:
+            r = kf.allocate_slots(state, rid, hit.num_tokens, written - hit.num_tokens,
+                                  lookahead, block_hashes=hashes, prefix_hit=hit)
+            return (r.state, r.delta) if r.ok else None
+        entries = None
+        if processed < computed:
+            entries = _inflight.entries(state, self._layout, rid, processed, computed, written,
+                                        lookahead, hashes)
+        if entries is None:
+            r = kf.allocate_slots(state, rid, computed, written - computed, lookahead,
+                                  block_hashes=hashes)
+            return (r.state, r.delta) if r.ok else None
+        b = kf.allocate_batch(state, entries)
+        return None if b.refused else (b.state, b.delta)
 
     def _full_sequence_refused(self, request: Any, hit: kf.PrefixHit | None, computed: int,
                                watermark: int) -> bool:
@@ -172,18 +204,28 @@ class Allocation(ManagerBase):
         return kf.BlockHashes.of_digests(hashes.hashes[:n], request.all_token_ids,
                                          hashes.block_size)
 
-    def _new_blocks(self, delta: kf.BlocksChanged, request_id: str) -> Any:
-        """The blocks this allocation took for the request, per group, as ``KVCacheBlocks``."""
-        if not delta.appended_block_ids:
-            return self.empty_kv_cache_blocks
-        index = self._group_index
-        ids: list[list[int]] = [[] for _ in index]
-        for key, rid, b in zip(delta.appended_keys, delta.appended_request_ids,
-                               delta.appended_block_ids, strict=True):
-            if b and rid == request_id:
-                ids[index[key]].append(b)
-        blocks = self._handles.blocks
-        return self.create_kv_cache_blocks(tuple(blocks(i, g) for i, g in enumerate(ids)))
+    def _new_blocks(self, before: kf.KVState, after: kf.KVState, rid: str,
+                    hit: kf.PrefixHit | None, external_end: int,
+                    skip_zeroing: tuple[int, ...]) -> tuple[Any, list[int]]:
+        """The blocks this allocation added to the request's tables, per group, and the
+        ids to zero.
+
+        Blocks for tokens a connector brings (before ``external_end``) are not
+        returned (vLLM returns only the blocks for tokens to compute), and are
+        not zeroed in the groups the load writes.
+        """
+        bs = self._layout.block_size
+        first_new = -(-external_end // bs)
+        out: list[list[Any]] = []
+        zeroed: list[int] = []
+        handles = self._handles.blocks
+        for i, (old, new) in enumerate(zip(before.groups, after.groups, strict=True)):
+            held = len(hit.block_ids[old.key]) if hit is not None else len(old.table(rid))
+            table = new.table(rid)
+            returned = table[max(held, first_new):]
+            out.append(handles(i, returned))
+            zeroed += (b for b in (returned if i in skip_zeroing else table[held:]) if b)
+        return self.create_kv_cache_blocks(tuple(out)), zeroed
 
     def _tables_of(self, blocks: Sequence[Sequence[Any]]) -> list[tuple[int, ...]]:
         return [tuple(b.block_id for b in g) for g in blocks]

@@ -137,8 +137,12 @@ class ManagerBase:
         return 1.0 - self.num_free_blocks / total if total else 0.0
 
     def _commit(self, state: kf.KVState, delta: kf.BlocksChanged, call: str, request: Any,
-                args: tuple[Any, ...] = ()) -> None:
-        """Make ``state`` current and hand ``delta``'s news to vLLM (events, metrics, zeroing)."""
+                args: tuple[Any, ...] = (), *, zeroed: list[int] | None = None) -> None:
+        """Make ``state`` current and hand ``delta``'s news to vLLM (events, metrics, zeroing).
+
+        ``zeroed`` lists the new block ids to zero when not every block the
+        delta appended needs it.
+        """
         self._state = state
         if delta.is_empty:
             return
@@ -151,7 +155,8 @@ class ManagerBase:
         if self.metrics_collector is not None:
             self._feed_metrics(delta)
         if self._zeroing:
-            self._new_block_ids.extend(b for b in delta.appended_block_ids if b)
+            self._new_block_ids.extend(
+                (b for b in delta.appended_block_ids if b) if zeroed is None else zeroed)
 
     def _feed_metrics(self, delta: kf.BlocksChanged) -> None:
         """vLLM's block residency metrics: blocks handed out, blocks a hit reused."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["MODES", "install", "installed_mode", "register", "uninstall"]
+__all__ = ["MODES", "install", "installed_mode", "register", "uninstall", "vllm_manager_class"]
 
 MODES = ("manager", "shadow")
 _ENV = "KVFUNC_VLLM"
@@ -52,6 +52,17 @@ def register() -> None:
 
         msg = f"{_ENV}={os.environ[_ENV]!r}: use 1 (kvfunc's manager), shadow, or 0 / unset"
         raise InvalidArgumentError(msg)
+
+
+def vllm_manager_class() -> type:
+    """vLLM's own ``KVCacheManager`` class, whatever is installed."""
+    original = _ORIGINAL.get("kcm")
+    if original is None:
+        import vllm.v1.core.kv_cache_manager as kcm
+
+        original = kcm.KVCacheManager
+    cls: type = original
+    return cls
 
 
 def installed_mode() -> str | None:

@@ -32,6 +32,7 @@ MARKERS = ("cpu_test", "slow_test", "skip_global_cleanup", "core_model", "split"
            "optional")
 BUILT = {"kvfunc": 0, "vllm": 0}
 SPECS: list[str] = []  # the KV cache specs of every manager built, in order
+SHADOWS: list[Any] = []  # the shadow managers built (KVFUNC_VLLM=shadow)
 REPORT: dict[str, dict[str, Any]] = {}
 
 
@@ -64,9 +65,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
     _count(kcm.KVCacheManager, "vllm")  # vLLM's own class, before any plugin rebinds it
     load_general_plugins()
-    from kvfunc.vllm import KVCacheManager
+    from kvfunc.vllm import KVCacheManager, ShadowKVCacheManager
 
     _count(KVCacheManager, "kvfunc")
+    init = ShadowKVCacheManager.__init__
+
+    def keep(self: Any, *args: Any, **kwargs: Any) -> None:
+        SHADOWS.append(self)  # counted when asked for, even if vLLM's own manager refuses
+        init(self, *args, **kwargs)
+
+    ShadowKVCacheManager.__init__ = keep  # type: ignore[method-assign]
 
 
 def _wanted() -> str | None:
@@ -78,19 +86,33 @@ def _wanted() -> str | None:
 def _kvfunc_was_the_manager(request: pytest.FixtureRequest) -> Iterator[None]:
     """With KVFUNC_VLLM set, the test built kvfunc's manager (and no vLLM one unless shadowing)."""
     before, first_spec = dict(BUILT), len(SPECS)
+    SHADOWS.clear()
     yield
     built = {k: BUILT[k] - before[k] for k in BUILT}
-    REPORT.setdefault(request.node.nodeid, {}).update(
-        managers=built, specs=sorted(set(SPECS[first_spec:])))
+    entry = REPORT.setdefault(request.node.nodeid, {})
+    entry.update(managers=built, specs=sorted(set(SPECS[first_spec:])))
+    found = [d for s in SHADOWS if (d := getattr(s, "divergence", None)) is not None]
+    if found:
+        entry["divergences"] = [{"call": d.call, "what": d.what, "calls": list(d.calls[-12:])}
+                                for d in found]
+    entry["shadows"] = len(SHADOWS)
+    entry["not_mirrored"] = sorted({why for s in SHADOWS
+                                    if (why := getattr(s, "not_mirrored", None))})
+    shadows = len(SHADOWS)
+    SHADOWS.clear()
     wanted = _wanted()
     if wanted is None:
+        return
+    if wanted == "shadow":
+        assert shadows > 0 or built["vllm"] == 0, (
+            f"KVFUNC_VLLM=shadow but this test built {built['vllm']} vLLM manager(s) and no "
+            "shadow: the switch did nothing")
         return
     assert built["kvfunc"] > 0, (
         f"KVFUNC_VLLM={wanted} but this test built no kvfunc manager (vLLM built "
         f"{built['vllm']} of its own): the switch did nothing")
-    if wanted != "shadow":
-        assert built["vllm"] == 0, (
-            f"KVFUNC_VLLM={wanted} but this test built {built['vllm']} vLLM manager(s)")
+    assert built["vllm"] == 0, (
+        f"KVFUNC_VLLM={wanted} but this test built {built['vllm']} vLLM manager(s)")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
