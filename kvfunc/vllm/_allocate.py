@@ -75,7 +75,7 @@ class Allocation(ManagerBase):
                 and getattr(request, "kv_cache_report_mode", "incremental") == "full"):
             self._events.extend(cached_block_events(request, tables, self._layout.block_size))
         blocks = self._handles.blocks
-        return (self._blocks_type(tuple(blocks(i, t) for i, t in enumerate(tables))), n,
+        return (self._blocks_type(tuple(blocks(t) for t in tables)), n,
                 boundary)
 
     def get_computed_blocks_for_connector(self, request: Any,
@@ -121,19 +121,16 @@ class Allocation(ManagerBase):
                      and request.status in _waiting_states() else 0)
         hit = None
         if new_computed_blocks is not None and num_new_computed_tokens:
-            tables = self._tables_of(new_computed_blocks.blocks)
-            if any(tables):
-                hit = kf.PrefixHit(num_new_computed_tokens, dict(zip(self._layout.keys, tables,
-                                                                     strict=True)),
-                                   max(request.num_tokens, num_new_computed_tokens))
+            hit = self._hit(request, new_computed_blocks, num_new_computed_tokens,
+                            num_external_computed_tokens)
         if full_sequence_must_fit and self._full_sequence_refused(
                 request, hit, computed, watermark):
             return None
         processed = max(0, computed - request.num_in_flight_tokens)
         written = computed + num_new_tokens
         hashes = self._hashes_for(request, hit, delay_cache_blocks)
-        result = self._transition(rid, hit, processed, computed, written, num_lookahead_tokens,
-                                  hashes)
+        result = self._transition(rid, hit, min(local, self.max_model_len), processed, computed,
+                                  written, num_lookahead_tokens, hashes)
         if result is None or (
                 (reserved_blocks or watermark)
                 and result[0].pools[0].num_free < reserved_blocks + watermark):
@@ -152,33 +149,57 @@ class Allocation(ManagerBase):
                      zeroed=zeroed)
         return blocks
 
-    def _transition(self, rid: str, hit: kf.PrefixHit | None, processed: int, computed: int,
-                    written: int, lookahead: int, hashes: kf.BlockHashes | None
-                    ) -> tuple[kf.KVState, kf.BlocksChanged] | None:
+    def _transition(self, rid: str, hit: kf.PrefixHit | None, local: int, processed: int,
+                    computed: int, written: int, lookahead: int,
+                    hashes: kf.BlockHashes | None) -> tuple[kf.KVState, kf.BlocksChanged] | None:
         """The allocation as one kvfunc transition, or None when it does not fit.
 
-        kvfunc lets a window's blocks go below ``computed_tokens``; vLLM lets
-        them go below the processed tokens only (tokens still in flight keep
-        their window).  When the two differ, the step is two entries of one
-        ``allocate_batch``: the windows recycle at the processed count alone,
-        then the request allocates from a count that recycles no further
-        (``_inflight``).
+        Usually one ``allocate_slots``.  Two cases are two entries of one
+        ``allocate_batch`` instead: a connector's external tokens (vLLM
+        gives every group its external blocks before any group its new
+        ones), and tokens in flight under a window (``_inflight``).
         """
         state = self._state
-        if hit is not None:
+        if computed > local:  # external tokens: every group's, then every group's new ones
+            start = hit.num_tokens if hit is not None else local
+            entries = [kf.SlotRequest(rid, start, computed - start, 0, 0, None, hashes, hit),
+                       kf.SlotRequest(rid, computed, written - computed, lookahead, 0, None,
+                                      hashes)]
+        elif hit is not None:
             r = kf.allocate_slots(state, rid, hit.num_tokens, written - hit.num_tokens,
                                   lookahead, block_hashes=hashes, prefix_hit=hit)
             return (r.state, r.delta) if r.ok else None
-        entries = None
-        if processed < computed:
-            entries = _inflight.entries(state, self._layout, rid, processed, computed, written,
-                                        lookahead, hashes)
-        if entries is None:
-            r = kf.allocate_slots(state, rid, computed, written - computed, lookahead,
-                                  block_hashes=hashes)
-            return (r.state, r.delta) if r.ok else None
+        else:
+            found = None
+            if processed < computed:
+                found = _inflight.entries(state, self._layout, rid, processed, computed, written,
+                                          lookahead, hashes)
+            if found is None:
+                r = kf.allocate_slots(state, rid, computed, written - computed, lookahead,
+                                      block_hashes=hashes)
+                return (r.state, r.delta) if r.ok else None
+            entries = found
         b = kf.allocate_batch(state, entries)
         return None if b.refused else (b.state, b.delta)
+
+    def _hit(self, request: Any, blocks: Any, tokens: int, external: int) -> kf.PrefixHit | None:
+        """The prefix hit vLLM hands back, as a :class:`~kvfunc.PrefixHit`.
+
+        With external tokens after it, a window's hit blocks that the
+        external tokens push out of the window are left out (null), as vLLM
+        skips them.
+        """
+        tables = [tuple(b.block_id for b in g) for g in blocks.blocks]
+        if not any(tables):
+            return None
+        if external:
+            bs = self._layout.block_size
+            for i, window in enumerate(self._layout.windows):
+                if window is not None:
+                    skipped = min(max(0, tokens + external - window + 1) // bs, len(tables[i]))
+                    tables[i] = (0,) * skipped + tables[i][skipped:]
+        return kf.PrefixHit(tokens, dict(zip(self._layout.keys, tables, strict=True)),
+                            max(request.num_tokens, tokens))
 
     def _full_sequence_refused(self, request: Any, hit: kf.PrefixHit | None, computed: int,
                                watermark: int) -> bool:
@@ -223,9 +244,6 @@ class Allocation(ManagerBase):
             held = len(hit.block_ids[old.key]) if hit is not None else len(old.table(rid))
             table = new.table(rid)
             returned = table[max(held, first_new):]
-            out.append(handles(i, returned))
+            out.append(handles(returned))
             zeroed += (b for b in (returned if i in skip_zeroing else table[held:]) if b)
         return self.create_kv_cache_blocks(tuple(out)), zeroed
-
-    def _tables_of(self, blocks: Sequence[Sequence[Any]]) -> list[tuple[int, ...]]:
-        return [tuple(b.block_id for b in g) for g in blocks]

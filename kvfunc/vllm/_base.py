@@ -84,7 +84,7 @@ class ManagerBase:
         self._layout: Layout = layout
         self._group_index = {key: i for i, key in enumerate(layout.keys)}
         self._state = layout.initial_state()
-        self._handles = Handles(layout.num_blocks, len(layout.keys), KVCacheBlock)
+        self._handles = Handles(layout.num_blocks, KVCacheBlock)
         self._hashes = RequestHashes(layout.block_size)
         self._events: list[Any] = []
         self._zeroing = bool(kv_cache_config.needs_kv_cache_zeroing)
@@ -143,7 +143,7 @@ class ManagerBase:
         ``zeroed`` lists the new block ids to zero when not every block the
         delta appended needs it.
         """
-        self._state = state
+        old, self._state = self._state, state
         if delta.is_empty:
             return
         if self._journal is not None:
@@ -151,7 +151,8 @@ class ManagerBase:
         if self.enable_kv_cache_events and (delta.stored_keys or delta.evicted_keys
                                             or delta.cleared_keys):
             self._events.extend(vllm_events(delta, request, self._group_index,
-                                            self._layout.block_size))
+                                            self._layout.block_size,
+                                            _caching_start(old, state, request)))
         if self.metrics_collector is not None:
             self._feed_metrics(delta)
         if self._zeroing:
@@ -160,15 +161,15 @@ class ManagerBase:
 
     def _feed_metrics(self, delta: kf.BlocksChanged) -> None:
         """vLLM's block residency metrics: blocks handed out, blocks a hit reused."""
-        collector, index, blocks = self.metrics_collector, self._group_index, self._handles.blocks
+        collector, blocks = self.metrics_collector, self._handles.blocks
         for op in delta.operations():
             if isinstance(op, kf.Appended) and op.block_id:
-                (handle,) = blocks(index[op.key], (op.block_id,))
+                (handle,) = blocks((op.block_id,))
                 if self.enable_caching:  # vLLM's pool reports every hand-out as an eviction
                     collector.on_block_evicted(handle)
                 collector.on_block_allocated(handle)
             elif isinstance(op, kf.Shared) and op.block_id:
-                collector.on_block_accessed(blocks(index[op.key], (op.block_id,))[0])
+                collector.on_block_accessed(blocks((op.block_id,))[0])
 
     def prefix_cache_lookup_enabled(self, request: Any) -> bool:
         """Whether a local prefix-cache lookup may run for this request."""
@@ -181,3 +182,22 @@ class ManagerBase:
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> Any:
         """``KVCacheBlocks`` of these per-group blocks (the shared empty one when none)."""
         return self._blocks_type(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+
+def _caching_start(old: kf.KVState, new: kf.KVState, request: Any) -> Callable[[str, int], int]:
+    """Where vLLM's caching of ``request`` stood in a group before stores from a position.
+
+    vLLM counts the blocks it cached per request, null blocks of a window
+    included; kvfunc's row keeps the same count (``stored``).  A store that
+    begins after null entries begins, for vLLM, where the count stood.
+    """
+
+    def start(key: str, position: int) -> int:
+        row = old.group(key).row(request.request_id)
+        done = 0 if row is None else row.stored
+        table = new.group(key).table(request.request_id)
+        while position > done and not table[position - 1]:
+            position -= 1
+        return position
+
+    return start

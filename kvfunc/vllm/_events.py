@@ -17,7 +17,7 @@ id) come from the request the call was about.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvfunc.core import BlocksChanged, Cleared, Evicted, Stored
@@ -25,27 +25,36 @@ from kvfunc.core import BlocksChanged, Cleared, Evicted, Stored
 __all__ = ["annotate", "cached_block_events", "vllm_events"]
 
 
-def _stored(request: Any, rows: Sequence[Stored], group: int, block_size: int) -> Any:
-    """vLLM's ``BlockStored`` for one run of stored rows of a request in one group."""
+def _stored(request: Any, rows: Sequence[Stored], group: int, block_size: int,
+            start: int) -> Any:
+    """vLLM's ``BlockStored`` for one run of stored rows of a request in one group.
+
+    vLLM's record spans the blocks from where the request's caching stood
+    (``start``), null blocks of a window included: their tokens and parent
+    hash are in it, their hashes are not.
+    """
     from vllm.distributed.kv_events import MEDIUM_GPU, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    start, end = rows[0].position * block_size, (rows[-1].position + 1) * block_size
+    first = min(start, rows[0].position)
+    parent = request.block_hashes[first - 1] if first else None
     return _block_stored(BlockStored, MEDIUM_GPU, request,
                          [maybe_convert_block_hash(r.block_hash) for r in rows],
-                         None if rows[0].parent_hash is None
-                         else maybe_convert_block_hash(rows[0].parent_hash),
-                         start, end, block_size, group)
+                         None if parent is None else maybe_convert_block_hash(parent),
+                         first * block_size, (rows[-1].position + 1) * block_size,
+                         block_size, group, [r.position for r in rows])
 
 
 def _block_stored(cls: Any, medium: str, request: Any, hashes: list[Any], parent: Any,
-                  start: int, end: int, block_size: int, group: int) -> Any:
+                  start: int, end: int, block_size: int, group: int,
+                  positions: Sequence[int]) -> Any:
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
     extra: list[Any] = []
     mm = 0
-    for first in range(start, end, block_size):
-        keys, mm = generate_block_hash_extra_keys(request, first, first + block_size, mm)
+    for p in positions:
+        keys, mm = generate_block_hash_extra_keys(request, p * block_size,
+                                                  (p + 1) * block_size, mm)
         extra.append(keys)
     lora = request.lora_request
     return cls(block_hashes=hashes, parent_block_hash=parent,
@@ -55,35 +64,41 @@ def _block_stored(cls: Any, medium: str, request: Any, hashes: list[Any], parent
                group_idx=group, session_id=request.session_id, lookahead_token_ids=None)
 
 
-def vllm_events(delta: BlocksChanged, request: Any, groups: dict[str, int],
-                block_size: int) -> list[Any]:
+def vllm_events(delta: BlocksChanged, request: Any, groups: dict[str, int], block_size: int,
+                start: Callable[[str, int], int]) -> list[Any]:
     """The vLLM KV events of one transition's delta, in the order of its operations.
 
     ``groups`` maps kvfunc manager keys to vLLM group indices; ``request`` is
-    the request the transition was about (``None`` when it stored nothing).
+    the request the transition was about (``None`` when it stored nothing);
+    ``start(key, position)`` is where vLLM's caching of the request stood in
+    that group before a run of stores beginning at ``position``.
     """
     from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     out: list[Any] = []
     run: list[Stored] = []
+
+    def flush() -> None:
+        key = run[0].key
+        out.append(_stored(request, run, groups[key], block_size, start(key, run[0].position)))
+        run.clear()
+
     for op in delta.operations():
         if isinstance(op, Stored):
             if run and run[-1].key != op.key:
-                out.append(_stored(request, run, groups[run[0].key], block_size))
-                run = []
+                flush()
             run.append(op)
             continue
         if run:
-            out.append(_stored(request, run, groups[run[0].key], block_size))
-            run = []
+            flush()
         if isinstance(op, Evicted):
             out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(op.block_hash)],
                                     medium=MEDIUM_GPU, group_idx=groups[op.key]))
         elif isinstance(op, Cleared) and not (out and type(out[-1]) is AllBlocksCleared):
             out.append(AllBlocksCleared())
     if run:
-        out.append(_stored(request, run, groups[run[0].key], block_size))
+        flush()
     return out
 
 
@@ -98,7 +113,8 @@ def cached_block_events(request: Any, tables: Sequence[Sequence[int]], block_siz
         if table:
             hashes = [maybe_convert_block_hash(h) for h in request.block_hashes[:len(table)]]
             out.append(_block_stored(BlockStored, MEDIUM_GPU, request, hashes, None, 0,
-                                     len(table) * block_size, block_size, group))
+                                     len(table) * block_size, block_size, group,
+                                     range(len(table))))
     return out
 
 

@@ -48,7 +48,7 @@ class KVCacheManager(Allocation, Release):
         """The request's blocks per group, as ``KVCacheBlocks``."""
         blocks = self._handles.blocks
         return self.create_kv_cache_blocks(tuple(
-            blocks(i, g.table(request_id)) for i, g in enumerate(self._state.groups)))
+            blocks(g.table(request_id)) for g in self._state.groups))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids per group (null entries are 0)."""

@@ -8,10 +8,8 @@ the scheduler's deferred ``block_pool.free_blocks`` lets them go;
 everything, and refuses while any block is in use, as vLLM does.
 
 ``cache_blocks`` caches a request's blocks that filled since it was
-scheduled (vLLM calls it once the tokens are confirmed).  It is an
-allocation that takes no block; a sliding window's ``computed_tokens`` is
-held below the point where a block would slide out, because vLLM's
-``cache_blocks`` frees nothing.
+scheduled (vLLM calls it once the tokens are confirmed): an allocation that
+writes, copies and frees nothing.
 """
 
 from __future__ import annotations
@@ -41,30 +39,25 @@ class Release(ManagerBase):
         result = kf.detach_request(self._state, rid)
         self._commit(result.state, result.delta, "pop_blocks_for_free", request)
         blocks = self._handles.blocks
-        return [b for i, key in enumerate(self._layout.keys)
-                for b in blocks(i, result.block_ids.get(key, ()))]
+        return [b for key in self._layout.keys for b in blocks(result.block_ids.get(key, ()))]
 
     def free_detached_blocks(self, ordered_blocks: Iterable[Any]) -> None:
-        """Let detached blocks go in the order given (``block_pool.free_blocks``)."""
-        by_key: dict[str, list[int]] = {}
-        keys, group_of = self._layout.keys, self._handles.group_of
-        for block in ordered_blocks:
-            if getattr(block, "is_null", False):
-                continue
-            g = group_of(block)
-            if g is None:
-                raise kf.InvalidArgumentError(f"{block!r} is not a block this manager gave out")
-            by_key.setdefault(keys[g], []).append(block.block_id)
-        if by_key:
-            state, delta = kf.free_detached(self._state, by_key)
-            self._commit(state, delta, "free_detached", None, (by_key,))
+        """Let detached blocks go in the order given (``block_pool.free_blocks``).
+
+        vLLM frees them in one pass over its one pool, so kvfunc lets them go
+        in one ``free_detached`` of the pool (its rows name the first group).
+        """
+        ids = [block.block_id for block in ordered_blocks if not block.is_null]
+        if ids:
+            state, delta = kf.free_detached(self._state, {self._layout.keys[0]: ids})
+            self._commit(state, delta, "free_detached", None, (tuple(ids),))
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Forget what the given blocks cache; held blocks stay with their requests."""
         ids = [b for b in block_ids if b]
         if self.metrics_collector is not None:
             for b in ids:
-                self.metrics_collector.on_block_evicted(self._handles.blocks(0, (b,))[0])
+                self.metrics_collector.on_block_evicted(self._handles.blocks((b,))[0])
         if ids:
             state, delta = kf.evict_blocks(self._state, ids)
             self._commit(state, delta, "evict_blocks", None, (tuple(ids),))
@@ -102,28 +95,23 @@ class Release(ManagerBase):
         self._commit(state, delta, "recycle_skipped_blocks", _Named(request_id), (computed,))
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        """Cache the request's blocks that are full within its first ``num_computed_tokens``."""
+        """Cache the request's blocks that are full within its first ``num_computed_tokens``.
+
+        An allocation that writes nothing: ``num_new_tokens`` reaches the
+        count (blocks that are full by then are cached) and a lookahead of
+        minus that count leaves no slot to allocate, no block to copy and, with
+        no computed token, nothing for a window to let go (vLLM's
+        ``cache_blocks`` frees nothing).
+        """
         if not self.enable_caching:
             return
-        rid, state = request.request_id, self._state
+        rid = request.request_id
+        if self._state.group(self._layout.keys[0]).row(rid) is None:
+            return
         n = min(max(0, num_computed_tokens), self.max_model_len)
-        bs = self._layout.block_size
-        entries: dict[int, list[str]] = {}
-        for key, window, group in zip(self._layout.keys, self._layout.windows, state.groups,
-                                      strict=True):
-            table = group.table(rid)
-            if not table:
-                return
-            computed = n
-            if window is not None:  # below the point where the window lets a block go
-                nulls = _leading_nulls(table)
-                computed = min(n, (nulls + 1) * bs + window - 2)
-            entries.setdefault(computed, []).append(key)
-        hashes = self._hashes.of(request)
-        result = kf.allocate_batch(state, [
-            kf.SlotRequest(rid, c, n - c, manager_keys=keys, block_hashes=hashes)
-            for c, keys in entries.items()])
-        if not result.refused:
+        result = kf.allocate_slots(self._state, rid, 0, n, -n,
+                                   block_hashes=self._hashes.of(request))
+        if result.ok:
             self._commit(result.state, result.delta, "cache_blocks", request, (n,))
 
 
@@ -134,10 +122,3 @@ class _Named:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-
-
-def _leading_nulls(table: tuple[int, ...]) -> int:
-    n = 0
-    while n < len(table) and not table[n]:
-        n += 1
-    return n

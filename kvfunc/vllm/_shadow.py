@@ -72,7 +72,7 @@ class ShadowKVCacheManager(ShadowBase):
                        reserved_blocks: int = 0, has_scheduled_reqs: bool = True,
                        skip_zeroing_group_ids: tuple[int, ...] = ()) -> Any:
         """vLLM's allocation; kvfunc's refusal, new blocks and table are compared with it."""
-        options = {"num_lookahead_tokens": num_lookahead_tokens,
+        options: dict[str, Any] = {"num_lookahead_tokens": num_lookahead_tokens,
                    "num_external_computed_tokens": num_external_computed_tokens,
                    "delay_cache_blocks": delay_cache_blocks,
                    "num_encoder_tokens": num_encoder_tokens,
@@ -116,11 +116,7 @@ class ShadowKVCacheManager(ShadowBase):
         out: list[Any] = self._primary.pop_blocks_for_free(request)
         call = f"pop_blocks_for_free({request.request_id!r})"
         mine = self._mirrored(call, lambda m: m.pop_blocks_for_free(request))
-        mirror = self._mirror
-        if mine is not None and mirror is not None:
-            for handle in mine:
-                group = mirror._handles.group_of(handle)
-                self._detached.setdefault(handle.block_id, []).append(group or 0)
+        if mine is not None:
             self._check(call, "detached block ids", [b.block_id for b in mine],
                         [b.block_id for b in out])
         self._check_counts(call)

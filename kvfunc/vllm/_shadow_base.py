@@ -40,8 +40,6 @@ class ShadowBase:
 
         self._primary = vllm_manager_class()(*args, **kwargs)
         self._strict = strict
-        #: block id -> the mirror's groups that detached it and have not let it go yet
-        self._detached: dict[int, list[int]] = {}
         self.divergence: Divergence | None = None
         self.block_pool = ShadowPool(self, self._primary.block_pool)
         self._mirror: KVCacheManager | None = None
@@ -127,27 +125,15 @@ class ShadowBase:
             return blocks
         handles = mirror._handles.blocks
         return mirror.create_kv_cache_blocks(tuple(
-            handles(i, [b.block_id for b in g]) for i, g in enumerate(blocks.blocks)))
+            handles([b.block_id for b in g]) for g in blocks.blocks))
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         """``block_pool.free_blocks``: vLLM's deferred free, and kvfunc's ``free_detached``."""
         blocks = list(ordered_blocks)
         self._primary.block_pool.free_blocks(blocks)
-        detached = self._detached
-
-        def mirrored(mirror: KVCacheManager) -> None:
-            handles = []
-            for b in blocks:
-                if not b.is_null:
-                    groups = detached.get(b.block_id)
-                    if not groups:
-                        raise ValueError(f"vLLM freed block {b.block_id}, which kvfunc did "
-                                         "not detach")
-                    handles += mirror._handles.blocks(groups.pop(0), (b.block_id,))
-            mirror.free_detached_blocks(handles)
-
         call = f"block_pool.free_blocks({[b.block_id for b in blocks]})"
-        self._mirrored(call, mirrored)
+        self._mirrored(call, lambda m: m.free_detached_blocks(
+            m._handles.blocks([b.block_id for b in blocks])))
         self._check_counts(call)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
