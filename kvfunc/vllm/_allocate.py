@@ -128,12 +128,13 @@ class Allocation(ManagerBase):
             return None
         processed = max(0, computed - request.num_in_flight_tokens)
         written = computed + num_new_tokens
-        hashes = self._hashes_for(request, hit, delay_cache_blocks)
+        hashes = self._hashes_for(request, hit, delay_cache_blocks, written)
         result = self._transition(rid, hit, min(local, self.max_model_len), processed, computed,
                                   written, num_lookahead_tokens, hashes)
         if result is None or (
                 (reserved_blocks or watermark)
                 and result[0].pools[0].num_free < reserved_blocks + watermark):
+            self._hashes.unsee(rid)
             if state.group(self._layout.keys[0]).row(rid) is not None:
                 self._commit(*kf.recycle_skipped_blocks(state, rid, processed),
                              "recycle_skipped_blocks", request, (processed,))
@@ -210,17 +211,19 @@ class Allocation(ManagerBase):
                                               full, tables, computed, True)
         return need + watermark > self._state.pools[0].num_free
 
-    def _hashes_for(self, request: Any, hit: kf.PrefixHit | None,
-                    delay_cache_blocks: bool) -> kf.BlockHashes | None:
-        """The hashes the allocation caches with (none without caching; a delayed
-        caching keeps only the hit's, which caches nothing new)."""
+    def _hashes_for(self, request: Any, hit: kf.PrefixHit | None, delay_cache_blocks: bool,
+                    written: int) -> kf.BlockHashes | None:
+        """The hashes the allocation caches with: none without caching, or when no block can
+        complete (``RequestHashes.for_step``); a delayed caching keeps only the hit's."""
         if not self.enable_caching:
             return None
-        hashes = self._hashes.of(request)
         if not delay_cache_blocks:
-            return hashes
+            if hit is None:
+                return self._hashes.for_step(request, written)
+            return self._hashes.of(request)
         if hit is None:
             return None
+        hashes = self._hashes.of(request)
         n = hit.num_tokens // hashes.block_size
         return kf.BlockHashes.of_digests(hashes.hashes[:n], request.all_token_ids,
                                          hashes.block_size)

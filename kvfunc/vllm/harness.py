@@ -12,7 +12,7 @@ from a few numbers, for examples, tests and benchmarks:
   ``"shadow"``;
 * :func:`make_request`: a vLLM ``Request`` whose block hashes vLLM computes;
 * :func:`model_output`: a fake ``ModelRunnerOutput`` that samples one token
-  per scheduled request.
+  per scheduled request (none for a non-final prefill chunk).
 
 Every function imports vLLM when called.
 """
@@ -143,12 +143,20 @@ def make_request(request_id: str, prompt_token_ids: Sequence[int], *, block_size
                    block_hasher=get_request_block_hasher(block_size, sha256))
 
 
-def model_output(scheduler_output: Any, token_id: int = 7) -> Any:
-    """A fake model output: ``token_id`` sampled for every request the step scheduled."""
+def model_output(scheduler_output: Any, scheduler: Any = None, token_id: int = 7) -> Any:
+    """A fake model output: ``token_id`` sampled for every request the step scheduled.
+
+    With ``scheduler`` (call it right after ``schedule()``), requests whose
+    step is a non-final prefill chunk sample nothing, as vLLM's model runner
+    discards their tokens.
+    """
     from vllm.v1.outputs import ModelRunnerOutput
 
     req_ids = list(scheduler_output.num_scheduled_tokens)
+    requests = {} if scheduler is None else scheduler.requests
+    sampled = [[] if (r := requests.get(rid)) is not None and r.is_prefill_chunk
+               else [token_id] for rid in req_ids]
     return ModelRunnerOutput(req_ids=req_ids,
                              req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=[[token_id] for _ in req_ids], logprobs=None,
-                             prompt_logprobs_dict={}, pooler_output=[])
+                             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                             pooler_output=[])

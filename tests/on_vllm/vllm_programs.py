@@ -4,10 +4,10 @@ A program is a list of operations drawn by Hypothesis (:data:`programs`);
 :class:`Player` plays it on a manager: admissions after a prefix lookup
 (with a connector's external tokens, caching delayed, the full-sequence
 gate), chunked prefills and decode steps (tokens in flight as under async
-scheduling until their output arrives, lookahead slots) that preempt what no longer fits, late caching,
-windows trimmed on their own, frees, deferred frees and their drain,
-evictions, cache resets, and the stats, events and estimates a scheduler
-reads.  Played on a strict :class:`~kvfunc.vllm.ShadowKVCacheManager`, every
+scheduling until their output arrives, lookahead slots) that preempt what
+no longer fits, late caching, windows trimmed on their own, frees, deferred
+frees and their drain, evictions, cache resets, and the stats, events and
+estimates a scheduler reads.  Played on a strict :class:`~kvfunc.vllm.ShadowKVCacheManager`, every
 answer of kvfunc's manager is compared with vLLM's own.
 """
 
