@@ -19,7 +19,10 @@ def test_readme_snippet_runs(code: str, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_readme_names_the_ci_test_command() -> None:
-    """The test command in the README is the one .ci/run executes."""
+    """The test command in the README (with vLLM's tests) is the one .ci/run executes."""
     ci = (README.parent / ".ci" / "run").read_text()
-    command = "ruff check . && mypy && python -m pytest"
-    assert (True, True) == (command in README.read_text(), command in ci)
+    for command in ("ruff check . && mypy && python -m pytest && bash .ci/vllm-suite.sh",
+                    "bash .ci/vllm-env.sh", "bash .ci/vllm-tests.sh .vllm-tests",
+                    'KVFUNC_VLLM_TESTS="$PWD/.vllm-tests"'):
+        assert (command, True, True) == (command, command in README.read_text(),
+                                         command in ci)

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "reference"
 PACKAGES = ["kvfunc", "kvfunc.compat", "kvfunc.shell", "kvfunc.cli", "kvfunc.testing",
-            "kvfunc.events"]
+            "kvfunc.events", "kvfunc.vllm", "kvfunc.vllm.harness"]
 if importlib.util.find_spec("kvfunc.datadist") is not None:
     PACKAGES.append("kvfunc.datadist")
 

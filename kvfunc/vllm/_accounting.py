@@ -1,0 +1,89 @@
+"""The questions vLLM's scheduler asks in blocks and tokens, answered from a kvfunc state.
+
+vLLM's scheduler sizes admissions with its manager's own arithmetic
+(``get_num_blocks_to_allocate``: the full-sequence admission gate and the
+reservation of in-flight prefills) and estimates cached tokens for its
+metrics.  These are queries: they read the state and change nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvfunc.core import KVState
+from kvfunc.vllm._layout import Layout
+
+__all__ = ["blocks_to_allocate", "estimate_cached_tokens", "fa_hit_tokens"]
+
+
+def blocks_to_allocate(state: KVState, layout: Layout, request_id: str, num_tokens: int,
+                       hit: Sequence[Sequence[int]] | None, total_computed_tokens: int,
+                       apply_admission_cap: bool) -> int:
+    """vLLM's ``get_num_blocks_to_allocate`` summed over the groups.
+
+    A request that already holds a table needs ``ceil(num_tokens / bs)``
+    entries minus those it holds; a new one needs the blocks its prefix hit
+    does not give, and every hit block that waits in the free queue (taking
+    it out counts against the free blocks).  ``apply_admission_cap`` caps a
+    sliding window's need at vLLM's recycling-aware admission cap.
+    """
+    bs = layout.block_size
+    required = -(-num_tokens // bs)
+    total = 0
+    for i, group in enumerate(state.groups):
+        need = required
+        cap = layout.caps[i]
+        if apply_admission_cap and cap is not None and cap < need:
+            need = cap
+        held = len(group.table(request_id))
+        if held:
+            total += max(need - held, 0)
+            continue
+        window = layout.windows[i]
+        skipped = 0 if window is None else max(0, total_computed_tokens - window + 1) // bs
+        table = hit[i] if hit else ()
+        total += max(need - max(skipped, len(table)), 0)
+        refs = state.pools[group.pool].refs
+        assert refs is not None  # the manager's states count references
+        total += sum(1 for b in table[skipped:] if b and not refs[b])
+    return total
+
+
+def estimate_cached_tokens(state: KVState, layout: Layout, request_id: str) -> int:
+    """Tokens of the request's blocks that are cached, the smallest over the groups."""
+    bs = layout.block_size
+    cached: int | None = None
+    for group in state.groups:
+        hash_of = state.pools[group.pool].hash_of
+        table = group.table(request_id)
+        tokens = 0
+        if hash_of is not None:
+            for p in range(len(table) - 1, -1, -1):
+                b = table[p]
+                if b and hash_of[b] is not None:
+                    tokens = (p + 1) * bs
+                    break
+        cached = tokens if cached is None else min(cached, tokens)
+    return cached or 0
+
+
+def fa_hit_tokens(state: KVState, layout: Layout, digests: Sequence[bytes], limit: int) -> int:
+    """The longest prefix (up to ``limit`` tokens) cached in the first full-attention group.
+
+    vLLM's hybrid lookup reports a shared prefix that full attention caches
+    but a sliding window does not (``shared_prefix_boundary``).  A pool's
+    index keys a digest followed by the group's tag byte when several groups
+    share the pool.
+    """
+    key = next((k for k, w in zip(layout.keys, layout.windows, strict=True) if w is None), None)
+    if key is None:
+        return 0
+    pool = state.pools[state.group(key).pool]
+    tag = pool.tag_of(key)
+    index = pool.index
+    n = 0
+    for h in digests[:limit // layout.block_size]:
+        if index.get(h if tag is None else h + tag) is None:
+            break
+        n += 1
+    return n * layout.block_size

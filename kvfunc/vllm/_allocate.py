@@ -1,0 +1,252 @@
+"""Prefix lookups and ``allocate_slots``: vLLM's admission rules on kvfunc transitions.
+
+vLLM's ``allocate_slots`` for a request with ``comp`` computed tokens, a
+local prefix hit of ``new_comp`` tokens, ``ext`` tokens a connector brings
+and ``new`` tokens to compute::
+
+    | comp | new_comp | ext | new | lookahead |
+    |<-- processed -->| in flight: written, not yet confirmed
+                      |<----- to be allocated ---------->|
+                      |<-- cached as the blocks fill -->|
+
+is one kvfunc ``allocate_slots``: ``computed_tokens`` is the processed
+prefix (what a sliding window may let go), ``num_new_tokens`` reaches the
+end of ``new`` (blocks that fill are cached with the request's own hashes)
+and the lookahead comes on top.  vLLM frees what slid out of the window
+before it checks for room, even when it then refuses; so does the manager:
+a refused call is the recycling transition instead.
+
+vLLM's three admission gates are questions about the transition: the
+full-sequence gate counts blocks with vLLM's own arithmetic before anything
+happens, and a request fits when the transition succeeds and leaves
+``reserved_blocks + watermark`` blocks free, exactly when vLLM's
+``needed + watermark <= free - reserved`` holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import kvfunc as kf
+from kvfunc.vllm import _accounting, _inflight
+from kvfunc.vllm._base import ManagerBase
+from kvfunc.vllm._events import cached_block_events
+
+__all__ = ["Allocation"]
+
+_WAITING_STATES: frozenset[Any] = frozenset()
+
+
+def _waiting_states() -> frozenset[Any]:
+    global _WAITING_STATES
+    if not _WAITING_STATES:
+        from vllm.v1.request import RequestStatus
+
+        _WAITING_STATES = frozenset((RequestStatus.WAITING, RequestStatus.PREEMPTED))
+    return _WAITING_STATES
+
+
+class Allocation(ManagerBase):
+    """Prefix lookups, vLLM's block arithmetic and ``allocate_slots``."""
+
+    def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None
+                            ) -> tuple[Any, int, int]:
+        """The request's cached prefix: ``(blocks, tokens, shared_prefix_boundary)``.
+
+        The boundary is the full-attention hit when a sliding window caches
+        less of it (hybrid models), else 0, as vLLM reports it.
+        """
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+        limit = max(limit, 0)
+        hashes = self._hashes.of(request)
+        hit = kf.lookup_prefix(self._state, hashes, max_tokens=limit)
+        n = hit.num_tokens
+        boundary = 0
+        if len(self._layout.keys) > 1:
+            longest = _accounting.fa_hit_tokens(self._state, self._layout, hashes.hashes, limit)
+            boundary = longest if longest > n else 0
+        if not n:
+            return self.empty_kv_cache_blocks, 0, boundary
+        tables = [hit.block_ids[key] for key in self._layout.keys]
+        if (self.enable_kv_cache_events
+                and getattr(request, "kv_cache_report_mode", "incremental") == "full"):
+            self._events.extend(cached_block_events(request, tables, self._layout.block_size))
+        blocks = self._handles.blocks
+        return (self._blocks_type(tuple(blocks(t) for t in tables)), n,
+                boundary)
+
+    def get_computed_blocks_for_connector(self, request: Any,
+                                          max_cache_hit_length: int | None = None
+                                          ) -> tuple[Any, int, int, bool]:
+        """:meth:`get_computed_blocks` for a connector (the groups never diverge here)."""
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        """A lookup result cut at a block-aligned token count (nothing changes)."""
+        bs = self._layout.block_size
+        n = num_computed_tokens // bs
+        if num_computed_tokens % bs or any(n > len(group) for group in blocks.blocks):
+            msg = (f"cannot cut a lookup result of {[len(g) for g in blocks.blocks]} blocks at "
+                   f"{num_computed_tokens} tokens (block size {bs})")
+            raise kf.InvalidArgumentError(msg)
+        return self.create_kv_cache_blocks(tuple(list(g[:n]) for g in blocks.blocks))
+
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                               new_computed_blocks: Sequence[Sequence[Any]] | None,
+                               total_computed_tokens: int, apply_admission_cap: bool) -> int:
+        """vLLM's block need of a request (``coordinator.get_num_blocks_to_allocate``)."""
+        hit = None
+        if new_computed_blocks is not None and any(new_computed_blocks):
+            hit = [[b.block_id for b in g] for g in new_computed_blocks]
+        return _accounting.blocks_to_allocate(self._state, self._layout, request_id, num_tokens,
+                                              hit, total_computed_tokens, apply_admission_cap)
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Any = None, num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+                       num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False,
+                       reserved_blocks: int = 0, has_scheduled_reqs: bool = True,
+                       skip_zeroing_group_ids: tuple[int, ...] = ()) -> Any:
+        """Slots for a request's new tokens (see the module docstring); None when refused."""
+        if not (num_new_tokens or num_external_computed_tokens or num_new_computed_tokens):
+            raise ValueError("num_new_tokens must be greater than 0 when there are no "
+                             "computed tokens to adopt")
+        state, rid = self._state, request.request_id
+        local = request.num_computed_tokens + num_new_computed_tokens
+        computed = min(local + num_external_computed_tokens, self.max_model_len)
+        watermark = (self.watermark_blocks if has_scheduled_reqs
+                     and request.status in _waiting_states() else 0)
+        hit = None
+        if new_computed_blocks is not None and num_new_computed_tokens:
+            hit = self._hit(request, new_computed_blocks, num_new_computed_tokens,
+                            num_external_computed_tokens)
+        if full_sequence_must_fit and self._full_sequence_refused(
+                request, hit, computed, watermark):
+            return None
+        processed = max(0, computed - request.num_in_flight_tokens)
+        written = computed + num_new_tokens
+        hashes = self._hashes_for(request, hit, delay_cache_blocks, written)
+        result = self._transition(rid, hit, min(local, self.max_model_len), processed, computed,
+                                  written, num_lookahead_tokens, hashes)
+        if result is None or (
+                (reserved_blocks or watermark)
+                and result[0].pools[0].num_free < reserved_blocks + watermark):
+            self._hashes.unsee(rid)
+            if state.group(self._layout.keys[0]).row(rid) is not None:
+                self._commit(*kf.recycle_skipped_blocks(state, rid, processed),
+                             "recycle_skipped_blocks", request, (processed,))
+            return None
+        new_state, delta = result
+        if "A" not in delta.order:  # no block taken: the common decode step
+            self._commit(new_state, delta, "allocate_slots", request, (computed, written))
+            return self.empty_kv_cache_blocks
+        blocks, zeroed = self._new_blocks(state, new_state, rid, hit,
+                                          computed if num_external_computed_tokens else 0,
+                                          skip_zeroing_group_ids)
+        self._commit(new_state, delta, "allocate_slots", request, (computed, written),
+                     zeroed=zeroed)
+        return blocks
+
+    def _transition(self, rid: str, hit: kf.PrefixHit | None, local: int, processed: int,
+                    computed: int, written: int, lookahead: int,
+                    hashes: kf.BlockHashes | None) -> tuple[kf.KVState, kf.BlocksChanged] | None:
+        """The allocation as one kvfunc transition, or None when it does not fit.
+
+        Usually one ``allocate_slots``.  Two cases are two entries of one
+        ``allocate_batch`` instead: a connector's external tokens (vLLM
+        gives every group its external blocks before any group its new
+        ones), and tokens in flight under a window (``_inflight``).
+        """
+        state = self._state
+        if computed > local:  # external tokens: every group's, then every group's new ones
+            start = hit.num_tokens if hit is not None else local
+            entries = [kf.SlotRequest(rid, start, computed - start, 0, 0, None, hashes, hit),
+                       kf.SlotRequest(rid, computed, written - computed, lookahead, 0, None,
+                                      hashes)]
+        elif hit is not None:
+            r = kf.allocate_slots(state, rid, hit.num_tokens, written - hit.num_tokens,
+                                  lookahead, block_hashes=hashes, prefix_hit=hit)
+            return (r.state, r.delta) if r.ok else None
+        else:
+            found = None
+            if processed < computed:
+                found = _inflight.entries(state, self._layout, rid, processed, computed, written,
+                                          lookahead, hashes)
+            if found is None:
+                r = kf.allocate_slots(state, rid, computed, written - computed, lookahead,
+                                      block_hashes=hashes)
+                return (r.state, r.delta) if r.ok else None
+            entries = found
+        b = kf.allocate_batch(state, entries)
+        return None if b.refused else (b.state, b.delta)
+
+    def _hit(self, request: Any, blocks: Any, tokens: int, external: int) -> kf.PrefixHit | None:
+        """The prefix hit vLLM hands back, as a :class:`~kvfunc.PrefixHit`.
+
+        With external tokens after it, a window's hit blocks that the
+        external tokens push out of the window are left out (null), as vLLM
+        skips them.
+        """
+        tables = [tuple(b.block_id for b in g) for g in blocks.blocks]
+        if not any(tables):
+            return None
+        if external:
+            bs = self._layout.block_size
+            for i, window in enumerate(self._layout.windows):
+                if window is not None:
+                    skipped = min(max(0, tokens + external - window + 1) // bs, len(tables[i]))
+                    tables[i] = (0,) * skipped + tables[i][skipped:]
+        return kf.PrefixHit(tokens, dict(zip(self._layout.keys, tables, strict=True)),
+                            max(request.num_tokens, tokens))
+
+    def _full_sequence_refused(self, request: Any, hit: kf.PrefixHit | None, computed: int,
+                               watermark: int) -> bool:
+        """vLLM's full-sequence gate: the whole sequence would not fit now."""
+        full = min(request.num_tokens, self.max_model_len)
+        tables = None if hit is None else [hit.block_ids[k] for k in self._layout.keys]
+        need = _accounting.blocks_to_allocate(self._state, self._layout, request.request_id,
+                                              full, tables, computed, True)
+        return need + watermark > self._state.pools[0].num_free
+
+    def _hashes_for(self, request: Any, hit: kf.PrefixHit | None, delay_cache_blocks: bool,
+                    written: int) -> kf.BlockHashes | None:
+        """The hashes the allocation caches with: none without caching, or when no block can
+        complete (``RequestHashes.for_step``); a delayed caching keeps only the hit's."""
+        if not self.enable_caching:
+            return None
+        if not delay_cache_blocks:
+            if hit is None:
+                return self._hashes.for_step(request, written)
+            return self._hashes.of(request)
+        if hit is None:
+            return None
+        hashes = self._hashes.of(request)
+        n = hit.num_tokens // hashes.block_size
+        return kf.BlockHashes.of_digests(hashes.hashes[:n], request.all_token_ids,
+                                         hashes.block_size)
+
+    def _new_blocks(self, before: kf.KVState, after: kf.KVState, rid: str,
+                    hit: kf.PrefixHit | None, external_end: int,
+                    skip_zeroing: tuple[int, ...]) -> tuple[Any, list[int]]:
+        """The blocks this allocation added to the request's tables, per group, and the
+        ids to zero.
+
+        Blocks for tokens a connector brings (before ``external_end``) are not
+        returned (vLLM returns only the blocks for tokens to compute), and are
+        not zeroed in the groups the load writes.
+        """
+        bs = self._layout.block_size
+        first_new = -(-external_end // bs)
+        out: list[list[Any]] = []
+        zeroed: list[int] = []
+        handles = self._handles.blocks
+        for i, (old, new) in enumerate(zip(before.groups, after.groups, strict=True)):
+            held = len(hit.block_ids[old.key]) if hit is not None else len(old.table(rid))
+            table = new.table(rid)
+            returned = table[max(held, first_new):]
+            out.append(handles(returned))
+            zeroed += (b for b in (returned if i in skip_zeroing else table[held:]) if b)
+        return self.create_kv_cache_blocks(tuple(out)), zeroed

@@ -1,0 +1,180 @@
+"""kvfunc's drop-in manager against vLLM's own: same constructor, same answers, block for block."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from hypothesis import given
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+from vllm.v1.request import RequestStatus
+from vllm_programs import BLOCK, Player, programs
+
+import kvfunc as kf
+from kvfunc.vllm import KVCacheManager, ShadowKVCacheManager
+from kvfunc.vllm.harness import kv_cache_config, make_request
+
+#: What vLLM 0.33's Scheduler (and its connectors' binding) reads on its manager.
+SCHEDULER_SURFACE = (
+    "new_step_starts", "get_computed_blocks", "get_computed_blocks_for_connector",
+    "allocate_slots", "get_blocks", "get_block_ids", "get_block_ids_for_computed_tokens",
+    "free", "pop_blocks_for_free", "cache_blocks", "estimate_cached_tokens",
+    "truncate_computed_blocks", "remove_skipped_blocks", "record_prefix_cache_stats",
+    "make_prefix_cache_stats", "reset_prefix_cache", "take_events", "take_new_block_ids",
+    "take_kv_cache_block_copies", "take_boundary_state_offloads", "record_blocks_for_zeroing",
+    "evict_blocks", "usage", "empty_kv_cache_blocks", "finalize_partial_tail_offloads",
+    "mamba_shared_prefix_checkpoint", "block_pool", "coordinator", "prefix_cache_stats",
+    "kv_cache_config", "num_kv_cache_groups")
+
+
+def manager(windows: tuple[int | None, ...] = (None,), *, num_blocks: int = 40,
+            caching: bool = True, cls: type = KVCacheManager, **kwargs: object) -> object:
+    """A manager (kvfunc's unless ``cls`` says otherwise) of block size BLOCK."""
+    return cls(kv_cache_config(num_blocks, BLOCK, windows), max_model_len=256,
+               scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=caching,
+               log_stats=True, enable_kv_cache_events=True, **kwargs)
+
+
+def test_constructor_is_vllms() -> None:
+    """The constructor takes exactly vLLM 0.33's parameters, with its defaults."""
+    mine = inspect.signature(KVCacheManager.__init__).parameters
+    theirs = inspect.signature(VllmManager.__init__).parameters
+    assert [(p.name, p.default) for p in theirs.values()] == [
+        (p.name, p.default) for p in mine.values()]
+
+
+def test_scheduler_surface_is_there() -> None:
+    """Every method and attribute the scheduler uses exists on kvfunc's manager."""
+    m = manager()
+    assert [] == [name for name in SCHEDULER_SURFACE if not hasattr(m, name)]
+    group = m.coordinator.single_type_managers[0]
+    assert (BLOCK, "FullAttentionSpec") == (group.block_size, type(group.kv_cache_spec).__name__)
+
+
+CONFIGS = [((None,), True, 0.0), ((None,), False, 0.0), ((None, 8), True, 0.0),
+           ((None, 8), False, 0.1), ((6, None), True, 0.0)]
+
+
+@pytest.mark.parametrize(("windows", "caching", "watermark"), CONFIGS)
+@given(program=programs)
+def test_random_programs_answer_as_vllm(windows: tuple[int | None, ...], caching: bool,
+                                        watermark: float, program: list[tuple]) -> None:
+    """A strict shadow finds no difference in hits, refusals, block ids, counts, stats, events."""
+    shadow = manager(windows, caching=caching, cls=ShadowKVCacheManager, strict=True,
+                     watermark=watermark)
+    assert shadow.mirror is not None
+    Player(shadow, windows).run(program)
+    assert shadow.divergence is None
+    kf.check_invariants(shadow.mirror.state)
+
+
+def test_hit_takes_the_cached_blocks_and_counts_as_vllm() -> None:
+    """A second identical prompt hits the first one's full blocks; stats follow vLLM's meaning."""
+    m = manager()
+    a = make_request("a", list(range(10)), block_size=BLOCK)
+    blocks, hit, _ = m.get_computed_blocks(a)
+    assert (0, ([1, 2, 3],)) == (hit, m.allocate_slots(a, 10, hit, blocks).get_block_ids())
+    b = make_request("b", list(range(10)), block_size=BLOCK)
+    blocks, hit, _ = m.get_computed_blocks(b)
+    m.record_prefix_cache_stats(b, hit)
+    assert (8, ([1, 2],)) == (hit, blocks.get_block_ids())
+    stats = m.make_prefix_cache_stats()
+    assert (1, 10, 8) == (stats.requests, stats.queries, stats.hits)
+
+
+def test_refusal_leaves_the_state_but_frees_what_slid_out() -> None:
+    """A refused allocation changes nothing but the window's dead blocks, as vLLM frees them."""
+    m = manager((8,), num_blocks=6)
+    a = make_request("a", list(range(16)), block_size=BLOCK)
+    assert m.allocate_slots(a, 16) is not None
+    a.num_computed_tokens = 16
+    for _ in range(5):
+        a.append_output_token_ids(1)
+    assert 1 == m.num_free_blocks
+    assert m.allocate_slots(a, 5, num_lookahead_tokens=8) is None
+    assert ([0, 0, 3, 4],) == m.get_block_ids("a")
+    assert 3 == m.num_free_blocks
+
+
+def test_deferred_free_holds_blocks_until_the_pool_lets_them_go() -> None:
+    """pop_blocks_for_free keeps the blocks out of reach; block_pool.free_blocks returns them."""
+    m = manager()
+    a = make_request("a", list(range(9)), block_size=BLOCK)
+    m.allocate_slots(a, 9)
+    blocks = m.pop_blocks_for_free(a)
+    assert ([1, 2, 3], 36, ([],)) == ([b.block_id for b in blocks], m.num_free_blocks,
+                                      m.get_block_ids("a"))
+    b = make_request("b", [50] * 8, block_size=BLOCK)
+    assert ([4, 5],) == m.allocate_slots(b, 8).get_block_ids()
+    m.block_pool.free_blocks(reversed(blocks))
+    assert 37 == m.block_pool.get_num_free_blocks()
+
+
+def test_free_blocks_refuses_a_block_it_did_not_give() -> None:
+    """A block this manager never handed out is a typed error, and nothing changes."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    m = manager()
+    state = m.state
+    with pytest.raises(kf.InvalidArgumentError, match="is not detached"):
+        m.block_pool.free_blocks([KVCacheBlock(3)])
+    assert m.state is state
+
+
+def test_reset_refuses_while_blocks_are_in_use() -> None:
+    """reset_prefix_cache answers False while a block is held, True (and AllBlocksCleared) after."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+
+    m = manager()
+    a = make_request("a", list(range(8)), block_size=BLOCK)
+    m.allocate_slots(a, 8)
+    assert not m.reset_prefix_cache()
+    m.free(a)
+    assert m.reset_prefix_cache()
+    events = m.take_events()
+    assert [BlockStored, AllBlocksCleared] == [type(e) for e in events]
+    assert (True, 0) == (m.make_prefix_cache_stats().reset, kf.num_cached_blocks(m.state,
+                                                                                "group0"))
+
+
+def test_evicted_blocks_miss_but_stay_held() -> None:
+    """evict_blocks forgets a held block's hash: the next lookup stops before it."""
+    m = manager()
+    a = make_request("a", list(range(9)), block_size=BLOCK)
+    m.allocate_slots(a, 9)
+    m.evict_blocks({2})
+    b = make_request("b", list(range(9)), block_size=BLOCK)
+    assert (4, ([1, 2, 3],)) == (m.get_computed_blocks(b)[1], m.get_block_ids("a"))
+
+
+def test_watermark_applies_to_waiting_requests_only() -> None:
+    """With a watermark, a waiting request must leave it free; a running one may use it."""
+    m = manager(num_blocks=10, watermark=0.5)
+    a = make_request("a", list(range(16)), block_size=BLOCK)
+    assert m.allocate_slots(a, 20) is None
+    a.status = RequestStatus.RUNNING
+    assert ([1, 2, 3, 4, 5],) == m.allocate_slots(a, 20).get_block_ids()
+
+
+def test_snapshot_restore_replays_a_step_exactly() -> None:
+    """A snapshot is a KVState; restoring it and repeating a call gives the same blocks."""
+    m = manager()
+    a = make_request("a", list(range(9)), block_size=BLOCK)
+    m.allocate_slots(a, 9)
+    snap = m.snapshot()
+    b = make_request("b", list(range(20, 29)), block_size=BLOCK)
+    first = m.allocate_slots(b, 9).get_block_ids()
+    m.restore(snap)
+    assert (([],), first) == (m.get_block_ids("b"), m.allocate_slots(b, 9).get_block_ids())
+
+
+def test_restore_takes_only_a_snapshot_of_the_same_layout() -> None:
+    """Restoring something else is a typed error and keeps the current state."""
+    m = manager()
+    state = m.state
+    other = manager((None, 8)).state
+    with pytest.raises(kf.InvalidArgumentError, match="same KV cache layout"):
+        m.restore(other)
+    with pytest.raises(kf.InvalidTypeError):
+        m.restore("state")  # type: ignore[arg-type]
+    assert m.state is state
