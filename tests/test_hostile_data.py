@@ -10,7 +10,7 @@ as before, a hash lineage goes on hashing as a fresh one would.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -68,7 +68,7 @@ def test_junk_in_any_argument_of_of_is_a_typed_error(field: str, value: Any) -> 
     ok = {"token_ids": is_token_list(value) and not isinstance(value, str | bytes),
           "block_size": type(value) is int and value > 0,
           "hash_fn": value in kf.HASH_FUNCTIONS if type(value) is str else False,
-          "extra_keys": isinstance(value, list | tuple) and all(
+          "extra_keys": isinstance(value, Sequence) and not isinstance(value, str | bytes) and all(
               type(k) in (str, bytes, int) for k in value),
           "cache_salt": value is None or type(value) in (str, bytes, int)}[field]
     assume(not ok)

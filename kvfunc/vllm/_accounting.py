@@ -80,7 +80,7 @@ def fa_hit_tokens(state: KVState, layout: Layout, digests: Sequence[bytes], limi
         return 0
     pool = state.pools[state.group(key).pool]
     tag = pool.tag_of(key)
-    index = pool.index
+    index = pool.by_key
     n = 0
     for h in digests[:limit // layout.block_size]:
         if index.get(h if tag is None else h + tag) is None:

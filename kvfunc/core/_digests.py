@@ -1,0 +1,176 @@
+"""Digest functions and the packing of token ids and extra keys into hashed bytes.
+
+The pieces :class:`kvfunc.core.BlockHashes` chains: the named digest
+functions, the little-endian int64 packing of token ids (a bool or an
+out-of-range int is a typed error), the tagged encoding of extra keys and
+cache salts, and the checks on block indices and given digest lists.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvfunc.core._checks import excerpt
+from kvfunc.core._errors import (
+    BlockIndexError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    NotSupportedError,
+)
+
+__all__ = ["EXTERNAL", "HASH_FUNCTIONS", "BlockHash", "hash_function"]
+
+BlockHash = bytes
+HASH_FUNCTIONS = ("sha256", "blake2b", "xxh3_128")
+#: The ``hash_fn`` of hashes computed elsewhere (:meth:`BlockHashes.of_digests`).
+EXTERNAL = "external"
+_TAG = b"kvfunc.prefix/1"
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _blake2b(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+# hashlib constructors, called directly in the hashing loop (one call per block fewer)
+_CONSTRUCTORS: dict[str, Callable[[bytes], Any]] = {
+    "sha256": hashlib.sha256, "blake2b": functools.partial(hashlib.blake2b, digest_size=32)}
+
+
+def hash_function(name: str) -> Callable[[bytes], bytes]:
+    """The digest function called ``name`` (one of :data:`HASH_FUNCTIONS`).
+
+    Raises:
+        InvalidArgumentError: ``name`` is not a known function.
+        NotSupportedError: ``xxh3_128`` without the ``xxhash`` package.
+
+    >>> len(hash_function("sha256")(b"abc"))
+    32
+    >>> hash_function("md5")
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidArgumentError: unknown hash function 'md5'; ...
+    """
+    if name == "sha256":
+        return _sha256
+    if name == "blake2b":
+        return _blake2b
+    if name == "xxh3_128":
+        try:
+            import xxhash
+        except ImportError:
+            msg = ("hash function 'xxh3_128' needs the xxhash package "
+                   "(pip install kvfunc[fast-hash])")
+            raise NotSupportedError(msg) from None
+        fn: Callable[[bytes], bytes] = xxhash.xxh3_128_digest
+        return fn
+    msg = f"unknown hash function {excerpt(name)}; choose one of {list(HASH_FUNCTIONS)}"
+    raise InvalidArgumentError(msg)
+
+
+def _encode_key(key: object) -> bytes:
+    """One extra key as tagged, length-prefixed bytes (so keys never run together)."""
+    if isinstance(key, bool) or not isinstance(key, str | bytes | int):
+        msg = f"extra keys and the cache salt must be str, bytes or int, got {excerpt(key)}"
+        raise InvalidTypeError(msg)
+    if isinstance(key, str):
+        tag, raw = b"s", key.encode()
+    elif isinstance(key, bytes):
+        tag, raw = b"b", key
+    else:
+        tag, raw = b"i", str(key).encode()
+    return tag + struct.pack("<I", len(raw)) + raw
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64 bytes; anything else (a bool too) is a typed error."""
+    try:  # struct packs a list 2-3x faster than array("q") converts it
+        data = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    except struct.error:
+        bad = next((t for t in token_ids if not _is_int64(t)), None)
+        msg = f"token ids must be ints in the int64 range, got {excerpt(bad)}"
+        raise InvalidTypeError(msg) from None
+    if bool in set(map(type, token_ids)):  # struct packs True as 1: refuse it, as keys do
+        msg = "token ids must be ints in the int64 range, got a bool"
+        raise InvalidTypeError(msg)
+    return data
+
+
+def _token_list(token_ids: object) -> Sequence[int]:
+    """``token_ids`` if it is a sequence (not text), else a typed error."""
+    if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+        msg = f"token_ids must be a sequence of ints, got {excerpt(token_ids)}"
+        raise InvalidTypeError(msg)
+    return token_ids
+
+
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
+def _packer(block_size: int) -> Callable[..., bytes]:
+    """``struct.pack`` for one block of ``block_size`` tokens (compiled once per size)."""
+    packer = _PACKERS[block_size] = struct.Struct(f"<{block_size}q").pack
+    return packer
+
+
+def _chain(hash_fn: str, ctor: Callable[[bytes], Any] | None, parent: bytes, data: bytes,
+           width: int) -> list[bytes]:
+    """The chained digests of the ``width``-byte blocks of ``data``, from ``parent``."""
+    out = []
+    if ctor is not None:
+        for i in range(0, len(data), width):
+            parent = ctor(parent + data[i:i + width]).digest()
+            out.append(parent)
+    else:
+        fn = hash_function(hash_fn)
+        for i in range(0, len(data), width):
+            parent = fn(parent + data[i:i + width])
+            out.append(parent)
+    return out
+
+
+def _is_int64(value: object) -> bool:
+    try:
+        struct.pack("<q", value)
+    except struct.error:
+        return False
+    return True
+
+
+def _checked(block_size: int, hash_fn: str) -> Callable[[bytes], bytes]:
+    """The hash function of a valid block size and name; a typed error otherwise."""
+    if type(block_size) is not int or block_size <= 0:
+        msg = f"block_size must be a positive int, got {excerpt(block_size)}"
+        raise InvalidArgumentError(msg)
+    return hash_function(hash_fn)  # a known name, or a typed error
+
+
+
+def _index(value: object, last: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) and, given ``last``, indexes ``0..last`` as a
+    tuple of ``last + 1`` items does (negative from the end); else a typed error."""
+    if type(value) is not int:
+        raise InvalidTypeError(f"a block index must be an int, got {excerpt(value)}")
+    if last is not None and not -last - 1 <= value <= last:
+        raise BlockIndexError(f"block index {excerpt(value)} is out of range for {last + 1} blocks")
+    return value
+
+
+def _digest_list(hashes: object) -> list[BlockHash]:
+    """``hashes`` as a list of non-empty ``bytes`` digests, else a typed error."""
+    if isinstance(hashes, str | bytes) or not isinstance(hashes, Sequence):
+        raise InvalidTypeError(f"hashes must be a sequence of bytes digests, got "
+                               f"{excerpt(hashes)}")
+    digests = list(hashes)
+    for h in digests:
+        if type(h) is not bytes or not h:
+            raise InvalidTypeError(f"a block hash must be non-empty bytes, got {excerpt(h)}")
+    return digests
+
