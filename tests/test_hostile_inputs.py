@@ -110,9 +110,8 @@ def forms(s: kf.KVState, f: list[Any], caching: bool) -> dict[str, Callable[[], 
     out["short tuple"] = lambda: kf.allocate_batch(s, [tuple(f[:max([3, *given]) + 1])])
     if res == 0 and type(res) is int and keys is None and hit is None and hashable(rid):
         mapping = None if h is None else {rid: h}
-        if caching or h is None:  # without caching the mapping is not read (see the xfail)
-            out["3-tuple, batch lookahead and mapping"] = lambda: kf.allocate_batch(
-                s, [(rid, c, n)], lookahead_tokens=la, block_hashes=mapping)
+        out["3-tuple, batch lookahead and mapping"] = lambda: kf.allocate_batch(
+            s, [(rid, c, n)], lookahead_tokens=la, block_hashes=mapping)
     return out
 
 
@@ -226,10 +225,6 @@ def test_junk_hashes_on_a_registered_quiet_request_are_refused() -> None:
             call()
 
 
-@pytest.mark.xfail(strict=True, reason="_fold.fold drops allocate_batch's block_hashes mapping "
-                   "when the state does not cache, so its values are never checked; fix: "
-                   "allocate_batch (_transitions.py) or fold raises NotSupportedError for a "
-                   "non-empty mapping on a state without caching, as a SlotRequest's hashes do")
 def test_a_hashes_mapping_on_a_state_without_caching_is_refused_like_slot_hashes() -> None:
     """A mapping with hashes on a non-caching state is the SlotRequest's NotSupportedError."""
     _, s, _ = world(False, "per-type")
@@ -237,9 +232,6 @@ def test_a_hashes_mapping_on_a_state_without_caching_is_refused_like_slot_hashes
         kf.allocate_batch(s, [("a", 6, 1)], block_hashes={"a": "junk"})
 
 
-@pytest.mark.xfail(strict=True, reason="_fold.check_entry and check_hit format counts with "
-                   "{total} / {computed}, which raises ValueError past 4300 digits; fix: "
-                   "excerpt() the counts in _fold.py's messages")
 @pytest.mark.parametrize("case", ["negative lookahead", "hit count"])
 def test_a_count_of_thousands_of_digits_is_a_typed_error(case: str) -> None:
     """-10**5000 as a lookahead, 10**5000 computed with a hit: typed errors, short messages."""
@@ -305,8 +297,6 @@ def test_compat_methods_refuse_junk_typed_and_change_nothing(name: str, at: int,
     mgr = compat_manager()
     call, args, kinds = compat_calls(mgr)[name]
     at %= len(args)
-    # a lookahead of thousands of digits: the known _fold.py message bug (xfail above)
-    assume(not (name == "allocate_slots" and at == 3 and type(value) is int and value < -2 ** 64))
     args[at] = value
     before = mgr.state
     try:

@@ -36,8 +36,7 @@ from kvfunc.core._prefix import PrefixHit
 from kvfunc.core._step import step
 from kvfunc.core._transient import Transient
 
-__all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "run_entry",
-           "slot_entry"]
+__all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "slot_entry"]
 
 #: Whether the fold skips the step for entries that the rows' quiet limits call quiet
 #: (the lane).  Tests turn it off to compare the lane with the step on random programs.
@@ -119,7 +118,7 @@ def check_entry(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any
     total = written + la
     if total < 0:  # a negative lookahead
         if keys is None or any(v.key in keys for v in tr.views):
-            raise InvalidArgumentError(f"num_tokens must be non-negative, got {total}")
+            raise InvalidArgumentError(f"num_tokens must be non-negative, got {excerpt(total)}")
         total = 0
     limit = tr.max_model_len
     if total > limit or written > limit:
@@ -159,7 +158,7 @@ def check_hit(tr: Transient, request_id: Any, computed: int, keys: Any, hashes: 
     n = hit.num_tokens
     if computed != n:
         msg = (f"computed_tokens must equal the hit's num_tokens ({n}) when admitting with a "
-               f"prefix_hit, got {computed}")
+               f"prefix_hit, got {excerpt(computed)}")
         raise InvalidArgumentError(msg)
     if set(hit.block_ids) != {g.key for g in tr.views}:
         raise InvalidArgumentError("the prefix_hit was looked up on a state with other groups")
@@ -180,69 +179,69 @@ def check_hit(tr: Transient, request_id: Any, computed: int, keys: Any, hashes: 
             raise InvalidArgumentError(msg)
 
 
-def run_entry(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] | None,
-              own: Any = None) -> Any:
-    """One entry of any form: checked, then the lane or the step; its request id if refused.
+def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] | None = None,
+         lookahead: int = 0, own: Any = None) -> Sequence[Any]:
+    """Every entry, of any form, checked and then served in order on ``tr``: the refused ids.
 
     The common forms (a plain 3-tuple; a ``SlotRequest`` or 8-tuple with no
     reservation, manager-key subset or hit) are checked inline, with the
-    same checks :func:`check_entry` makes; anything else goes through
-    :func:`check_entry`, which raises the precise error or normalises it.
-    ``mapping`` is ``allocate_batch``'s ``block_hashes``; ``own`` are a
-    3-tuple's own hashes (``allocate_slots``'s ``block_hashes``).  Returns
-    None when the entry is served.
+    same checks :func:`check_entry` makes, and a quiet one is served by the
+    lane; anything else goes through :func:`check_entry`, which raises the
+    precise error or normalises it.  ``block_hashes`` is ``allocate_batch``'s
+    mapping (refused with a caching error on a state that does not cache);
+    ``own`` are the hashes of a single 3-tuple (``allocate_slots``'s).
     """
-    te = type(e)
-    if te is tuple and len(e) == 3:
-        rid, computed, new = e
-        la, hashes = lookahead, own
-        t = type(rid)
-        plain = ((t is int or t is str) and type(computed) is int and type(new) is int
-                 and (computed | new) >= 0 and new + la >= 0)
-    elif te is SlotRequest or (te is tuple and len(e) == 8):
-        rid, computed, new, la, reserved, keys, hashes, hit = e
-        t = type(rid)
-        plain = ((t is int or t is str) and type(computed) is int and type(new) is int
-                 and (computed | new) >= 0 and type(la) is int and new + la >= 0
-                 and reserved == 0 and type(reserved) is int and keys is None and hit is None)
-    else:
-        plain = False
-    if not plain:
-        if own is not None:  # a 3-tuple's own hashes: the general form carries them
-            e = (*e, lookahead, 0, None, own, None)
-        rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
-            tr, e, lookahead, mapping)
-        return None if step(tr, rid, computed, written, total, reserved, keys, hashes,
-                            hit) else rid
-    if hashes is None and mapping is not None:
-        hashes = mapping.get(rid)
-    if hashes is not None and (type(hashes) is not BlockHashes
-                               or hashes.block_size not in tr.checked):
-        check_hashes(tr, hashes, False)
-    written = computed + new
-    total = written + la
-    limit = tr.max_model_len
-    if total > limit or written > limit:
-        computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
-    if LANE:  # quiet in every group: the rows' limits say so (see ``_rows``)
-        for view in tr.views:
-            row = view.rows.get(rid)
-            if (row is None or total > row[5] or computed >= row[6] or computed < row[8]
-                    or (written >= row[7] and hashes is not None
-                        and hashes.num_tokens >= row[7])):
-                break
-        else:
-            return None
-    return None if step(tr, rid, computed, written, total, 0, None, hashes, None) else rid
-
-
-def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] | None = None,
-         lookahead: int = 0) -> Sequence[Any]:
-    """Run :func:`run_entry` for every entry in order on ``tr``; the refused request ids."""
     refused: list[Any] = []
+    if block_hashes and not tr.caching:
+        check_hashes(tr, None, False)  # raises: hashes need a caching state
     mapping = block_hashes if tr.caching else None
+    limit, views, lane = tr.max_model_len, tr.views, LANE
     for e in entries:
-        rid = run_entry(tr, e, lookahead, mapping)
-        if rid is not None:
+        te = type(e)
+        if te is tuple and len(e) == 3:
+            rid, computed, new = e
+            la, hashes = lookahead, own
+            t = type(rid)
+            plain = ((t is int or t is str) and type(computed) is int and type(new) is int
+                     and (computed | new) >= 0 and new + la >= 0)
+        elif te is SlotRequest or (te is tuple and len(e) == 8):
+            rid, computed, new, la, reserved, keys, hashes, hit = e
+            t = type(rid)
+            plain = ((t is int or t is str) and type(computed) is int and type(new) is int
+                     and (computed | new) >= 0 and type(la) is int and new + la >= 0
+                     and reserved == 0 and type(reserved) is int and keys is None and hit is None)
+        else:
+            plain = False
+        if not plain:
+            if own is not None:  # a 3-tuple's own hashes: the general form carries them
+                e = (*e, lookahead, 0, None, own, None)
+            rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
+                tr, e, lookahead, mapping)
+            if not step(tr, rid, computed, written, total, reserved, keys, hashes, hit):
+                refused.append(rid)
+            continue
+        if mapping is not None or hashes is not None:
+            if hashes is None:
+                hashes = mapping.get(rid)  # type: ignore[union-attr]
+            if hashes is not None and (type(hashes) is not BlockHashes
+                                       or hashes.block_size not in tr.checked):
+                check_hashes(tr, hashes, False)
+        written = computed + new
+        total = written + la
+        if total > limit or written > limit:
+            computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
+        if lane:  # quiet in every group: the rows' limits say so (see ``_rows``)
+            for view in views:
+                try:
+                    row = view.rows[rid]  # a subscript costs half a ``get`` here
+                except KeyError:
+                    break  # not registered in this group
+                if (total > row[5] or computed >= row[6] or computed < row[8]
+                        or (written >= row[7] and hashes is not None
+                            and hashes.num_tokens >= row[7])):
+                    break
+            else:
+                continue
+        if not step(tr, rid, computed, written, total, 0, None, hashes, None):
             refused.append(rid)
     return refused

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id
 from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidTypeError
-from kvfunc.core._fold import check_hashes, check_lookahead, fold, run_entry
+from kvfunc.core._fold import check_hashes, check_lookahead, fold
 from kvfunc.core._policy import slid_out
 from kvfunc.core._rows import row_table
 from kvfunc.core._state import BlockId, KVState, RequestId, check_state, find_group, usage_string
@@ -83,12 +83,12 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
     tr = Transient.open(state, sink)
     if (lookahead_tokens.__class__ is int and reserved_tokens.__class__ is int
             and not reserved_tokens and manager_keys is None and prefix_hit is None):
-        refused = run_entry(tr, (request_id, computed_tokens, num_new_tokens), lookahead_tokens,
-                            None, block_hashes)
+        refused = fold(tr, ((request_id, computed_tokens, num_new_tokens),), None,
+                       lookahead_tokens, block_hashes)
     else:
-        refused = run_entry(tr, (request_id, computed_tokens, num_new_tokens, lookahead_tokens,
-                                 reserved_tokens, manager_keys, block_hashes, prefix_hit), 0, None)
-    if refused is not None:
+        refused = fold(tr, ((request_id, computed_tokens, num_new_tokens, lookahead_tokens,
+                             reserved_tokens, manager_keys, block_hashes, prefix_hit),))
+    if refused:
         same = tr.settle()  # a refusal changed nothing: the working copy still reads ``state``
         assert same is state, "a refused allocation changed the state"
         return _new(AllocationResult, (False, state, EMPTY_DELTA))
