@@ -196,14 +196,16 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
         check_hashes(tr, None, False)  # raises: hashes need a caching state
     mapping = block_hashes if tr.caching else None
     limit, views, lane = tr.max_model_len, tr.views, LANE
+    la_plain = lookahead >= 0  # then every plain 3-tuple's count is non-negative
     for e in entries:
         te = type(e)
         if te is tuple and len(e) == 3:
             rid, computed, new = e
-            la, hashes = lookahead, own
+            la = lookahead
+            hashes = own
             t = type(rid)
-            plain = ((t is int or t is str) and type(computed) is int and type(new) is int
-                     and (computed | new) >= 0 and new + la >= 0)
+            plain = ((t is int or t is str) and type(computed) is int is type(new)
+                     and (computed | new) >= 0 and (la_plain or new + la >= 0))
         elif te is SlotRequest or (te is tuple and len(e) == 8):
             rid, computed, new, la, reserved, keys, hashes, hit = e
             t = type(rid)
@@ -236,7 +238,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                     row = view.rows[rid]  # a subscript costs half a ``get`` here
                 except KeyError:
                     break  # not registered in this group
-                if (total > row[5] or computed >= row[6] or computed < row[8]
+                if (not row[8] <= computed < row[6] or total > row[5]
                         or (written >= row[7] and hashes is not None
                             and hashes.num_tokens >= row[7])):
                     break
