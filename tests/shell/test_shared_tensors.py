@@ -60,7 +60,6 @@ def test_views_have_the_per_type_shapes_and_dtypes() -> None:
 def test_groups_overlay_by_layer_slot_and_blocks_never_overlap() -> None:
     """Same block id, same slot: shared bytes; different ids: disjoint; one group: disjoint."""
     info = TinyDecoder(TinyDecoderConfig()).cache_info()  # full, sliding, latent layers
-    layout = kf.shared_page_layout(info)
     blocks = spans(with_shared_cache_tensors(info, NUM_BLOCKS, "cpu"))
     shared_pairs = 0
     for i, (key_a, name_a, b_a, a) in enumerate(blocks):
@@ -70,10 +69,7 @@ def test_groups_overlay_by_layer_slot_and_blocks_never_overlap() -> None:
             elif overlap(a, b):
                 shared_pairs += 1
     # the full layer's K/V and the window layer's K/V share slot 0, block by block
-    assert 2 * NUM_BLOCKS == shared_pairs
-    lo = min(s.start for *_, s in blocks)
-    hi = max(s.stop for *_, s in blocks)
-    assert hi - lo <= NUM_BLOCKS * layout.page_bytes + ALIGNMENT_BYTES * len(layout.slot_bytes)
+    assert 2 * NUM_BLOCKS == shared_pairs  # (each slot buffer's size: the test below)
 
 
 def test_slot_buffers_are_aligned_and_sized_by_the_page() -> None:
