@@ -99,8 +99,10 @@ def skip_mode(policy: Policy) -> int:
 def slid_out(policy: Policy, mode: int, computed: int, held: int) -> int:
     """Table positions before the returned one have slid out of the window (0: none).
 
-    The one answer to "did a block slide out?": the step, recycling, compat
-    and replay call it.  At most ``held``.
+    The one answer to "did a block slide out?": the step, recycling
+    (``_transitions.recycle_into``, which compat's ``remove_skipped_blocks``
+    calls), prefix hits (:func:`hit_span`) and ``kvfunc.vllm``'s in-flight
+    split call it.  At most ``held``.
 
     >>> from kvfunc.core import SlidingWindow
     >>> slid_out(SlidingWindow(num_blocks=9, block_size=4, sliding_window=8), 1, 12, 3)
@@ -181,7 +183,7 @@ def row_limits(policy: Policy, traits: tuple[int, bool, int, int | None], cachin
     fewer than ``fill`` tokens.  They follow from the
     hints that :func:`check_hints` holds to the methods; a policy the hints
     cannot describe (no growth with tokens, skipping by method) gets limits
-    that send every step to the policy.  ``tests/test_policy_limits.py``
+    that send every step to the policy.  ``tests/test_lane.py``
     checks them against the answers they stand for.
 
     >>> from kvfunc.core import SlidingWindow

@@ -33,10 +33,11 @@ request's own block (states change in place, so they are never shared).
 Each lookup takes the first cached copy of a block (vLLM's choice when two
 blocks hold one prefix: the one cached first).
 
-A sliding-window group keeps only the blocks of its window: a one-shot
-prefill of a long prompt never holds the blocks before its last window, so a
-later prompt that shares only a prefix of it finds nothing cached for that
-group (identical prompts, shorter prompts and chunked prefills do).  A forked
+With prefix caching a sliding-window group takes a block for every token a
+prefill computes (``_policy.blocks_needed`` with ``keep``), so each block is
+cached; those that slid out of the window leave the table at the next step,
+still cached, as vLLM keeps them.  A later prompt that shares a prefix finds
+the window's blocks before its hit point while they stay cached.  A forked
 child must hash its *own* tokens: the parent's hashes may name tokens the
 child never had.
 """

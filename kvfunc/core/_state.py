@@ -196,7 +196,11 @@ class KVState:
 
     @property
     def layout(self) -> str:
-        """``"per-type"``, ``"shared"``, or ``"custom"`` for another grouping."""
+        """``"per-type"``, ``"shared"``, or ``"custom"`` for another grouping.
+
+        A state of one group is both layouts at once and reads ``"per-type"``
+        whichever it was made with.
+        """
         if all(len(p.members) == 1 for p in self.pools):
             return "per-type"
         return "shared" if len(self.pools) == 1 else "custom"

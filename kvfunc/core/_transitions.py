@@ -141,8 +141,8 @@ def free_into(tr: Transient, request_id: RequestId, keys: frozenset[str] | None,
               hashes: Any = None) -> None:
     """Release ``request_id`` in the selected groups of ``tr``; unknown ids are a no-op.
 
-    Without reference counts the blocks return to the tail in logical order
-    (the seed's); with them, last block first, so that a prefix's tail is
+    In the seed's free order the blocks return to the tail in logical order;
+    in vLLM's (prefix caching or ``free_order="vllm"``), last block first, so that a prefix's tail is
     evicted before its head.  With ``hashes`` (checked by the caller) the
     full blocks they cover are cached first.
     """
@@ -166,9 +166,10 @@ def free_request(state: KVState, request_id: RequestId, *,
                  block_hashes: BlockHashes | None = None) -> tuple[KVState, BlocksChanged]:
     """Return every block of a request to its pool.
 
-    Without prefix caching the blocks go to the tail of the free queue in
-    logical order (the seed's). With it, the blocks are released last block
-    first, as vLLM frees them: those that hold nothing cached re-enter the
+    In the seed's free order (the default without prefix caching) the blocks
+    go to the tail of the free queue in logical order. With prefix caching,
+    or ``free_order="vllm"``, the blocks are released last block first, as
+    vLLM frees them: those that hold nothing cached re-enter the
     free queue at its front (reused first), cached ones at its back (evicted
     last), so that a prefix's tail is evicted before its head.
 
@@ -176,7 +177,8 @@ def free_request(state: KVState, request_id: RequestId, *,
     tokens so far) caches the full blocks it covers that are not cached yet,
     before they are released: an engine that does not hash while decoding
     passes the request's hashes once, here, and its output blocks are
-    cached like its prompt's.
+    cached like its prompt's.  Pass hashes of computed tokens only (those
+    whose KV is written): every full block they cover is cached.
 
     Freeing an unknown or already freed request changes nothing.
 

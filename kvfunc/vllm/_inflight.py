@@ -24,22 +24,11 @@ to ``in_flight`` tokens earlier than vLLM; shadow mode reports it).
 from __future__ import annotations
 
 import kvfunc as kf
+from kvfunc.core._policy import skip_mode, slid_out
+from kvfunc.core._rows import leading_nulls
 from kvfunc.vllm._layout import Layout
 
 __all__ = ["entries"]
-
-
-def _slid_out(window: int, bs: int, computed: int, held: int) -> int:
-    """Table positions a window of ``window`` tokens has left behind at ``computed`` tokens."""
-    skipped = computed - window + 1
-    return min(skipped // bs, held) if skipped > 0 else 0
-
-
-def _leading_nulls(table: tuple[int, ...]) -> int:
-    n = 0
-    while n < len(table) and not table[n]:
-        n += 1
-    return n
 
 
 def entries(state: kf.KVState, layout: Layout, rid: str, processed: int, computed: int,
@@ -56,9 +45,11 @@ def entries(state: kf.KVState, layout: Layout, rid: str, processed: int, compute
         table = group.table(rid)
         if not table:
             continue
-        nulls = _leading_nulls(table)
-        at_processed = max(nulls, _slid_out(window, bs, processed, len(table)))
-        if at_processed != max(nulls, _slid_out(window, bs, computed, len(table))):
+        nulls = leading_nulls(table)
+        policy = group.policy
+        mode = skip_mode(policy)  # the core's one answer to "did a block slide out?"
+        at_processed = max(nulls, slid_out(policy, mode, processed, len(table)))
+        if at_processed != max(nulls, slid_out(policy, mode, computed, len(table))):
             differ = True
         windows.append(key)
         limit = min(limit, (at_processed + 1) * bs + window - 2)
