@@ -142,8 +142,8 @@ def free_into(tr: Transient, request_id: RequestId, keys: frozenset[str] | None,
     """Release ``request_id`` in the selected groups of ``tr``; unknown ids are a no-op.
 
     In the seed's free order the blocks return to the tail in logical order;
-    in vLLM's (prefix caching or ``free_order="vllm"``), last block first, so that a prefix's tail is
-    evicted before its head.  With ``hashes`` (checked by the caller) the
+    in vLLM's (prefix caching or ``free_order="vllm"``), last block first,
+    so that a prefix's tail is evicted before its head.  With ``hashes`` (checked by the caller) the
     full blocks they cover are cached first.
     """
     for i, view in enumerate(tr.views):
