@@ -184,25 +184,21 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
     """Every entry, of any form, checked and then served in order on ``tr``: the refused ids.
 
     The common forms (a plain 3-tuple; a ``SlotRequest`` or 8-tuple with no
-    reservation, manager-key subset or hit) are checked inline, with the
-    same checks :func:`check_entry` makes, and a quiet one is served by the
-    lane; anything else goes through :func:`check_entry`, which raises the
-    precise error or normalises it.  ``block_hashes`` is ``allocate_batch``'s
-    mapping (refused with a caching error on a state that does not cache);
-    ``own`` are the hashes of a single 3-tuple (``allocate_slots``'s).
+    reservation, manager-key subset or hit) are checked inline as
+    :func:`check_entry` checks the rest, and a quiet one is served by the
+    lane.  ``block_hashes``: ``allocate_batch``'s mapping (a caching error on
+    a state that does not cache); ``own``: a lone 3-tuple's hashes.
     """
-    refused: list[Any] = []
     if block_hashes and not tr.caching:
         check_hashes(tr, None, False)  # raises: hashes need a caching state
-    mapping = block_hashes if tr.caching else None
+    mapping, refused = block_hashes if tr.caching else None, []
     limit, views, lane = tr.max_model_len, tr.views, LANE
     la_plain = lookahead >= 0  # then every plain 3-tuple's count is non-negative
     for e in entries:
         te = type(e)
         if te is tuple and len(e) == 3:
             rid, computed, new = e
-            la = lookahead
-            hashes = own
+            la, hashes = lookahead, own
             t = type(rid)
             plain = ((t is int or t is str) and type(computed) is int is type(new)
                      and (computed | new) >= 0 and (la_plain or new + la >= 0))
@@ -215,12 +211,8 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
         else:
             plain = False
         if not plain:
-            if own is not None:  # a 3-tuple's own hashes: the general form carries them
-                e = (*e, lookahead, 0, None, own, None)
-            rid, computed, written, total, reserved, keys, hashes, hit = check_entry(
-                tr, e, lookahead, mapping)
-            if not step(tr, rid, computed, written, total, reserved, keys, hashes, hit):
-                refused.append(rid)
+            if not _general(tr, e, lookahead, mapping, own):
+                refused.append(e[0])
             continue
         if mapping is not None or hashes is not None:
             if hashes is None:
@@ -247,3 +239,11 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
         if not step(tr, rid, computed, written, total, 0, None, hashes, None):
             refused.append(rid)
     return refused
+
+
+def _general(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] | None,
+             own: Any) -> bool:
+    """An entry of a rarer form through :func:`check_entry` and the step; False if refused."""
+    if own is not None:  # a 3-tuple's own hashes: the general form carries them
+        e = (*e, lookahead, 0, None, own, None)
+    return step(tr, *check_entry(tr, e, lookahead, mapping))

@@ -39,7 +39,6 @@ after its own entries (otherwise it copies them), so extending a request
 by one block costs O(1), not a copy of every earlier digest.
 """
 
-
 from __future__ import annotations
 
 import struct

@@ -51,7 +51,6 @@ from collections.abc import Callable, Iterator
 import attrs
 
 from kvfunc.core._cache_info import CacheAllocator, CacheEntry, MambaCacheEntry, ModelCacheInfo
-from kvfunc.core._checks import check_int
 from kvfunc.core._dtypes import dtype_itemsize
 from kvfunc.core._errors import (
     InsufficientMemoryError,
@@ -59,7 +58,7 @@ from kvfunc.core._errors import (
     InvalidCacheInfo,
     InvalidTypeError,
 )
-from kvfunc.core._sizing import calculate_fixed_block_memory_bytes
+from kvfunc.core._sizing import calculate_fixed_block_memory_bytes, check_memory, check_options
 from kvfunc.core._sizing_config import SizingConfig
 from kvfunc.core._validate import FIXED_BLOCK_ATTN_TYPES, positive_field, validate_cache_info
 
@@ -345,25 +344,21 @@ def calculate_shared_block_num(
 ) -> SharedPoolSizing:
     """Blocks of one pool shared by every group of ``cache_info`` (``layout="shared"``).
 
-    The pool's page follows :func:`shared_page_layout` (one layer slot per
-    layer of a group, each slot the largest of its groups' layers).  Online,
-    the budget ``total * mem_fraction_static - used - extra`` divided by the
-    page gives the pool's blocks, the null block included; offline
-    (``offline_max_len`` > 0), the pool holds every group's need for the
-    batch (``ceil(offline_max_len / bs) * (batch // dp_split)`` per paged
-    group, the window or states per fixed group) plus the null block, checked
-    against free memory.  The pool must hold the fixed groups' batch and,
-    online, a prefill of ``max_prefill_tokens`` in every paged group at once.
-    Arguments as :func:`~kvfunc.calculate_block_num`; ``min_across_ranks``
-    is given the local block count.
+    The page follows :func:`shared_page_layout`.  Online, the budget ``total
+    * mem_fraction_static - used - extra`` over the page gives the blocks, the
+    null block included; offline (``offline_max_len`` > 0), the pool holds
+    every group's need for the batch (``ceil(offline_max_len / bs) * (batch
+    // dp_split)`` per paged group, the window or states per fixed group)
+    and the null block, checked against free memory.  The pool must hold the
+    fixed groups' batch and, online, a prefill of ``max_prefill_tokens`` in
+    every paged group at once.
+    Arguments as :func:`~kvfunc.calculate_block_num` (``min_across_ranks``
+    is given the local block count).
 
-    Returns:
-        a :class:`SharedPoolSizing`; a model with no paged cache gets a pool
-        of the null block alone.
+    Returns a :class:`SharedPoolSizing` (the null block alone: no paged cache).
 
     Raises:
-        InvalidTypeError: ``config`` or ``cache_info`` of the wrong type.
-        InvalidArgumentError: bad memory figures or options.
+        InvalidTypeError, InvalidArgumentError: wrong types, bad figures or options.
         InvalidCacheInfo: caches :func:`~kvfunc.validate_cache_info` refuses, or a
             group mixing attention types or block sizes.
         InsufficientMemoryError: the memory cannot hold what is required.
@@ -382,14 +377,9 @@ def calculate_shared_block_num(
     """
     if not isinstance(config, SizingConfig):
         raise InvalidTypeError(f"config must be a SizingConfig, but got {type(config).__name__}")
-    free = check_int("calculate_shared_block_num", "free_memory_bytes", free_memory_bytes, 0)
-    total = check_int("calculate_shared_block_num", "total_memory_bytes", total_memory_bytes, 0)
-    if free > total:
-        raise InvalidArgumentError(f"free_memory_bytes={free} exceeds total_memory_bytes={total}")
-    if offline_max_len is not None:
-        check_int("calculate_shared_block_num", "offline_max_len", offline_max_len, 0)
-    extra = check_int("calculate_shared_block_num", "extra_reserved_memory_bytes",
-                       extra_reserved_memory_bytes, 0)
+    fn = "calculate_shared_block_num"
+    free, total = check_memory(free_memory_bytes, total_memory_bytes, fn)
+    extra = check_options(fn, offline_max_len, extra_reserved_memory_bytes)
     if min_across_ranks is not None and not callable(min_across_ranks):
         msg = f"min_across_ranks must be callable or None, but got {type(min_across_ranks)}"
         raise InvalidTypeError(msg)
@@ -398,8 +388,7 @@ def calculate_shared_block_num(
         return SharedPoolSizing(1, layout)
     fixed = _fixed_needs(config, cache_info)
     if offline_max_len:  # 0, like None, means online, as in the seed
-        num_blocks = _offline_num_blocks(config, layout, fixed, offline_max_len, free, extra)
-    else:
-        num_blocks = _online_num_blocks(config, layout, fixed, free, total, extra,
-                                        min_across_ranks)
-    return SharedPoolSizing(num_blocks, layout)
+        return SharedPoolSizing(
+            _offline_num_blocks(config, layout, fixed, offline_max_len, free, extra), layout)
+    return SharedPoolSizing(
+        _online_num_blocks(config, layout, fixed, free, total, extra, min_across_ranks), layout)

@@ -158,13 +158,22 @@ def _collect_paged_groups(config: SizingConfig, cache_info: ModelCacheInfo) -> _
     return _PagedGroups(block_sizes, block_bytes, partitions, per_token_bytes, has_fixed)
 
 
-def _check_memory(free: object, total: object) -> tuple[int, int]:
-    free = check_int("calculate_block_num", "free_memory_bytes", free, 0)
-    total = check_int("calculate_block_num", "total_memory_bytes", total, 0)
+def check_memory(free: object, total: object, fn: str = "calculate_block_num"
+                 ) -> tuple[int, int]:
+    """The free and total memory figures of a sizing function ``fn``, checked."""
+    free = check_int(fn, "free_memory_bytes", free, 0)
+    total = check_int(fn, "total_memory_bytes", total, 0)
     if free > total:
         msg = f"free_memory_bytes={free} exceeds total_memory_bytes={total}"
         raise InvalidArgumentError(msg)
     return free, total
+
+
+def check_options(fn: str, offline_max_len: object, extra: object) -> int:
+    """A sizing function's ``offline_max_len`` checked; its extra reserved bytes."""
+    if offline_max_len is not None:
+        check_int(fn, "offline_max_len", offline_max_len, 0)
+    return check_int(fn, "extra_reserved_memory_bytes", extra, 0)
 
 
 def _read_memory(read_memory: Callable[[], tuple[int, int]]) -> tuple[int, int]:
@@ -172,7 +181,7 @@ def _read_memory(read_memory: Callable[[], tuple[int, int]]) -> tuple[int, int]:
     if not isinstance(figures, tuple) or len(figures) != 2:
         msg = f"read_memory must return (free, total), but returned {figures!r}"
         raise InvalidTypeError(msg)
-    return _check_memory(*figures)
+    return check_memory(*figures)
 
 
 def _offline_block_num(config: SizingConfig, groups: _PagedGroups, offline_max_len: int,
@@ -259,10 +268,7 @@ def calculate_block_num_lazy(
     >>> calculate_block_num_lazy(SizingConfig(2, 0.9, 128), info, read_memory=no_query)
     {'SlidingWindow': 11}
     """
-    if offline_max_len is not None:
-        check_int("calculate_block_num", "offline_max_len", offline_max_len, 0)
-    extra = check_int("calculate_block_num", "extra_reserved_memory_bytes",
-                       extra_reserved_memory_bytes, 0)
+    extra = check_options("calculate_block_num", offline_max_len, extra_reserved_memory_bytes)
     groups = _collect_paged_groups(config, cache_info)
     block_num: dict[str, int] = {}
     fixed_bytes = 0
@@ -331,7 +337,7 @@ def calculate_block_num(
     >>> calculate_block_num(config, info, free_memory_bytes=2**30, total_memory_bytes=2**30)
     {'FullAttention': 4096}
     """
-    free, total = _check_memory(free_memory_bytes, total_memory_bytes)
+    free, total = check_memory(free_memory_bytes, total_memory_bytes)
     return calculate_block_num_lazy(
         config, cache_info, read_memory=lambda: (free, total), offline_max_len=offline_max_len,
         extra_reserved_memory_bytes=extra_reserved_memory_bytes,
