@@ -51,7 +51,7 @@ from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import MAX_STATE_BLOCKS, check_state_size
 from kvfunc.cli._plan import PlanConfig, plan_model
 from kvfunc.cli._prefix import PrefixCacher, hash_block_size
-from kvfunc.cli._scheduler import SchedulerConfig
+from kvfunc.cli._scheduler import SchedulerConfig, fits_alone
 from kvfunc.cli._simulate import PREFIX_HASH_FN, build_state
 from kvfunc.cli._simulate import _cycle_collector_paused as cycle_collector_paused
 from kvfunc.core import NULL_BLOCK, KVState, allocate_slots, get_block_ids
@@ -131,7 +131,11 @@ class _Run:
 
     # -- arrivals ------------------------------------------------------------------------
     def servable(self, rid: int) -> bool:
-        """Whether ``rid`` fits an empty decode instance, and its prompt an empty prefill one."""
+        """Whether ``rid`` fits an empty decode instance, and its prompt an empty prefill one.
+
+        The decode side takes the whole prompt at once (the pull writes into
+        it); the prefill side prefills it chunk by chunk.
+        """
         r = self.requests[rid]
         p_state, d_state = self.fresh
         total = r.prompt_tokens + r.output_tokens
@@ -140,7 +144,7 @@ class _Run:
             return False
         need = min(total + 2 * self.config.base.model.next_n, limit)
         return (allocate_slots(d_state, -1, 0, need).ok
-                and allocate_slots(p_state, -1, 0, r.prompt_tokens).ok)
+                and fits_alone(p_state, r.prompt_tokens, self.config.base.max_batched_tokens))
 
     def _route(self, rid: int) -> PrefillInstance:
         prefix, prompt, n = self.prefix, self.requests[rid].prompt_tokens, len(self.prefill)
