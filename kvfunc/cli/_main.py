@@ -30,6 +30,7 @@ from kvfunc.cli._custom import load_model_file
 from kvfunc.cli._disagg_cli import check_disaggregated_args, simulate_disaggregated
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import check_writable, show
+from kvfunc.cli._layout import default_layout
 from kvfunc.cli._log import ReplayFailed, log_write_error, verify_log
 from kvfunc.cli._plan import Budget, PlanConfig, plan_model, render_shared_plan
 from kvfunc.cli._presets import ModelPreset, build_preset, preset_names
@@ -123,7 +124,8 @@ def _simulate(args: argparse.Namespace) -> int:
     config = SimulationConfig(model, trace, _budget(args, model), concurrency=args.concurrency,
                               max_batched_tokens=args.max_batched_tokens,
                               max_model_len=args.max_model_len, step_ms=args.step_ms,
-                              speedup=args.speedup, prefix_caching=not args.no_prefix_caching)
+                              speedup=args.speedup, prefix_caching=not args.no_prefix_caching,
+                              layout=args.layout or default_layout(model))
     if args.capacity_sweep is not None:
         return _sweep(args, config, plot_path)
     if args.disaggregated is not None:

@@ -53,14 +53,13 @@ def _save(fig: Figure, path: str | Path) -> Path:
 
 
 def _usage_panel(ax: Any, result: SimulationResult) -> None:
-    for group, used in zip(result.groups, result.usage, strict=True):
+    for pool, used in zip(result.pools, result.usage, strict=True):
         xs, ys = downsample(result.times, used)
-        usable = max(1, group.num_blocks - 1)
-        kind = "" if group.manager_key == group.attn_type else f" ({group.attn_type})"
-        label = (f"{group.manager_key}{kind}: {usable:,} usable blocks, "
-                 f"peak {group.peak_fraction:.0%}, mean {group.mean_fraction:.0%}")
+        usable = max(1, pool.num_blocks - 1)
+        label = (f"{pool.label}: {usable:,} usable blocks, "
+                 f"peak {pool.peak_fraction:.0%}, mean {pool.mean_fraction:.0%}")
         ax.plot(xs, [100 * y / usable for y in ys], linewidth=0.9, label=label)
-    ax.set_ylabel("blocks in use (%)")
+    ax.set_ylabel("blocks in use per pool (%)")
     ax.set_ylim(0, 105)
     ax.legend(fontsize=7, loc="lower right", framealpha=0.8)
 
@@ -94,7 +93,8 @@ def _hit_panel(ax: Any, result: SimulationResult) -> None:
 def plot_usage(result: SimulationResult, path: str | Path, *, title: str | None = None) -> Path:
     """Write a PNG of a run over simulated time, one panel per question.
 
-    Panels: each group's blocks in use (percent of its usable blocks);
+    Panels: each pool's blocks in use (percent of its usable blocks: a pool
+    per group with ``--layout per-type``, one for every group with ``shared``);
     requests waiting and running; preemptions and refused allocations so far;
     and, on a run that caches prefixes, the hit rate so far against the
     trace's upper bound.
@@ -131,7 +131,8 @@ def plot_usage(result: SimulationResult, path: str | Path, *, title: str | None 
     axes[-1].set_xlabel("simulated time (s)")
     cfg = result.config
     default_title = (f"{cfg.model.name}: {len(cfg.trace.requests):,} requests of "
-                     f"{cfg.trace.name}, {format_bytes(cfg.budget.memory_bytes)} of memory")
+                     f"{cfg.trace.name}, {format_bytes(cfg.budget.memory_bytes)} of memory, "
+                     f"{cfg.layout} layout")
     axes[0].set_title(title or default_title, fontsize=10)
     return _save(fig, path)
 

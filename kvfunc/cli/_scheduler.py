@@ -157,9 +157,10 @@ class Scheduler:
         self.finished = self.preemptions = self.refused_allocations = 0
         self.prefill_tokens = self.recomputed_tokens = self.generated_tokens = 0
         self.prompt_tokens = 0  # prompts of the requests admitted (first admissions)
-        self._capacity = [state.pools[g.pool].num_blocks - 1 for g in state.groups]
-        #: Per group, blocks held after each step (the null block excluded).
-        self.usage: list[list[int]] = [[] for _ in state.groups]
+        self._capacity = [p.num_blocks - 1 for p in state.pools]
+        #: Per pool (``state.pools``), blocks held after each step (the null block
+        #: excluded): with a shared pool one series covers every group, counted once.
+        self.usage: list[list[int]] = [[] for _ in state.pools]
         #: After each step: requests waiting and running, and running totals of
         #: preemptions, refused allocations, admitted prompt tokens and their hits.
         self.series: dict[str, list[int]] = {name: [] for name in SERIES}
@@ -343,10 +344,9 @@ class Scheduler:
         self.clock += self.config.step_s
         self.times.append(self.clock)
         self.alloc_s.append(self._spent)
-        capacity = self._capacity
-        pools = self.state.pools
-        for i, g in enumerate(self.state.groups):
-            self.usage[i].append(capacity[i] - pools[g.pool].num_free)
+        for used, capacity, pool in zip(self.usage, self._capacity, self.state.pools,
+                                        strict=True):
+            used.append(capacity - pool.num_free)
         self._record()
         return len(batch)
 
