@@ -152,7 +152,8 @@ def _short(count: float) -> str:
 def plot_sweep(sweep: SweepResult, path: str | Path, *, title: str | None = None) -> Path:
     """Write a PNG of hit rate against cache capacity (log x), the upper bound marked.
 
-    Each point is labelled with the ``--memory`` of its run.
+    One curve per layout swept; the first layout's points are labelled with
+    the ``--memory`` of their run (every layout runs the same sizes).
 
     Raises:
         CLIError: the file cannot be written.
@@ -171,10 +172,14 @@ def plot_sweep(sweep: SweepResult, path: str | Path, *, title: str | None = None
     fig = Figure(figsize=(8, 4.8), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    xs = [p.capacity_tokens for p in sweep.points]
-    ys = [100 * p.hit_rate for p in sweep.points]
-    ax.plot(xs, ys, marker="o", linewidth=1.2, label="simulated hit rate")
-    for p in sweep.points:
+    layouts = sweep.layouts
+    for i, layout in enumerate(layouts):
+        curve = sweep.curve(layout)
+        label = ("simulated hit rate" if len(layouts) == 1 else
+                 f"simulated hit rate, {layout} layout")
+        ax.plot([p.capacity_tokens for p in curve], [100 * p.hit_rate for p in curve],
+                marker="os"[i % 2], linewidth=1.2, label=label)
+    for p in (sweep.curve(layouts[0]) if layouts else ()):
         # above and to the left: a rising curve leaves that corner free
         ax.annotate(format_bytes(p.memory_bytes), (p.capacity_tokens, 100 * p.hit_rate),
                     textcoords="offset points", xytext=(-5, 5), ha="right", fontsize=6.5,

@@ -183,19 +183,26 @@ def render_sweep(sweep: SweepResult, console: Console, plot_path: str | None = N
     >>> "25.0%" in out.file.getvalue(), "upper bound" in out.file.getvalue()
     (True, True)
     """
-    cfg = sweep.config
+    cfg, layouts = sweep.config, sweep.layouts
+    sizes = len(sweep.curve(layouts[0])) if layouts else 0
     console.print(f"[bold]kvfunc simulate --capacity-sweep[/bold]: {cfg.model.name}, "
-                  f"{len(sweep.points)} cache sizes")
+                  f"{sizes} cache sizes" + (f" in {len(layouts)} layouts" if len(layouts) > 1
+                                             else ""))
     console.print(f"trace: {cfg.trace.description}")
+    console.print(f"layout: {' and '.join(layouts)}" + (
+        " (capacity: the paged groups' tokens; a shared pool's, beyond what the window and "
+        "state groups need for --concurrency requests)" if "shared" in layouts else ""))
     table = Table(show_edge=False)
-    for header in ("memory", "capacity (tokens)", "hit rate", "hit tokens", "stored blocks",
-                   "evicted blocks", "preemptions", "rejected", "wall s"):
-        table.add_column(header, justify="right")
+    headers = ("memory", "capacity\n(tokens)", "hit rate", "hit tokens", "stored\nblocks",
+               "evicted\nblocks", "preemptions", "rejected", "wall s")
+    for header in ("layout", *headers) if len(layouts) > 1 else headers:
+        table.add_column(header, justify="left" if header == "layout" else "right")
     for pt in sweep.points:
-        table.add_row(format_bytes(pt.memory_bytes), f"{pt.capacity_tokens:,}",
-                      f"{pt.hit_rate:.1%}", f"{pt.hit_tokens:,}", f"{pt.stored_blocks:,}",
-                      f"{pt.evicted_blocks:,}", f"{pt.preemptions:,}", f"{pt.rejected:,}",
-                      f"{pt.wall_s:.1f}")
+        row = (format_bytes(pt.memory_bytes), f"{pt.capacity_tokens:,}",
+               f"{pt.hit_rate:.1%}", f"{pt.hit_tokens:,}", f"{pt.stored_blocks:,}",
+               f"{pt.evicted_blocks:,}", f"{pt.preemptions:,}", f"{pt.rejected:,}",
+               f"{pt.wall_s:.1f}")
+        table.add_row(*((pt.layout, *row) if len(layouts) > 1 else row))
     console.print(table)
     b = sweep.bound
     console.print(f"the trace's upper bound (an infinite cache): [bold]{b.hit_rate:.1%}[/bold] "
