@@ -104,7 +104,8 @@ def _simulate_args(sim: argparse.ArgumentParser) -> None:
                      help="block pools: shared (one pool for every group, vLLM's hybrid "
                           "layout) or per-type (a pool per group, each sized for its own "
                           "need); both, with --capacity-sweep, plots one curve per layout "
-                          "(default: shared for a model with more than one group, else "
+                          "(default: shared for a model with more than one group, unless a "
+                          "group would fill less than half of the shared page; else "
                           "per-type)")
     sim.add_argument("--no-prefix-caching", action="store_true",
                      help="prefill every prompt in full, even on a trace that names its "
