@@ -24,15 +24,23 @@ from kvfunc.cli._disagg import (
 )
 from kvfunc.cli._disagg_run import run_disaggregated
 from kvfunc.cli._errors import CLIError
+from kvfunc.cli._layout import SIM_LAYOUTS, PoolUsage, default_layout
 from kvfunc.cli._log import DeltaLogWriter, ReplayFailed, state_content, verify_log
 from kvfunc.cli._main import main
 from kvfunc.cli._mooncake import UpperBound, upper_bound
-from kvfunc.cli._plan import Budget, GroupPlan, PlanConfig, PlanReport, plan_model, size_blocks
+from kvfunc.cli._plan import (
+    Budget,
+    GroupPlan,
+    PlanConfig,
+    PlanReport,
+    plan_model,
+    size_blocks,
+    size_shared_blocks,
+)
 from kvfunc.cli._plan_shared import SharedGroupPlan, SharedPlan
 from kvfunc.cli._presets import PRESETS, ModelPreset, build_preset, preset_names
 from kvfunc.cli._scheduler import Scheduler, SchedulerConfig
 from kvfunc.cli._simulate import (
-    GroupUsage,
     PrefixReport,
     SimulationConfig,
     SimulationResult,
@@ -59,17 +67,18 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "PRESETS",
     "SIMULATE_DEFAULTS",
+    "SIM_LAYOUTS",
     "Budget",
     "CLIError",
     "DeltaLogWriter",
     "DisaggConfig",
     "DisaggResult",
     "GroupPlan",
-    "GroupUsage",
     "LatencyReport",
     "ModelPreset",
     "PlanConfig",
     "PlanReport",
+    "PoolUsage",
     "PrefixReport",
     "Quantiles",
     "ReplayFailed",
@@ -89,6 +98,7 @@ __all__ = [
     "build_parser",
     "build_preset",
     "build_state",
+    "default_layout",
     "format_bytes",
     "load_model_file",
     "load_trace",
@@ -105,6 +115,7 @@ __all__ = [
     "run_simulation",
     "run_sweep",
     "size_blocks",
+    "size_shared_blocks",
     "state_content",
     "synthetic_trace",
     "upper_bound",

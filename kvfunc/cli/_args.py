@@ -100,6 +100,13 @@ def _simulate_args(sim: argparse.ArgumentParser) -> None:
                      help="simulated milliseconds per step (default 20)")
     sim.add_argument("--speedup", type=float, default=1.0,
                      help="divide arrival times by this (default 1)")
+    sim.add_argument("--layout", choices=("shared", "per-type", "both"), default=None,
+                     help="block pools: shared (one pool for every group, vLLM's hybrid "
+                          "layout) or per-type (a pool per group, each sized for its own "
+                          "need); both, with --capacity-sweep, plots one curve per layout "
+                          "(default: shared for a model with more than one group, unless a "
+                          "group would fill less than half of the shared page; else "
+                          "per-type)")
     sim.add_argument("--no-prefix-caching", action="store_true",
                      help="prefill every prompt in full, even on a trace that names its "
                           "prompt blocks (for comparison)")

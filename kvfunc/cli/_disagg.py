@@ -20,7 +20,8 @@ import attrs
 
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import show
-from kvfunc.cli._simulate import GroupUsage, PrefixReport, SimulationConfig
+from kvfunc.cli._layout import PoolUsage
+from kvfunc.cli._simulate import PrefixReport, SimulationConfig
 
 __all__ = ["DEFAULT_BANDWIDTH", "MAX_BANDWIDTH", "MAX_INSTANCES", "MIN_BANDWIDTH",
            "DisaggConfig", "DisaggResult", "LatencyReport", "Quantiles", "SideReport",
@@ -195,7 +196,7 @@ class Quantiles(NamedTuple):
 
 @attrs.frozen
 class SideReport:
-    """One side (prefill or decode): each instance's block usage, and the side's totals.
+    """One side (prefill or decode): each instance's block usage per pool, and the side's totals.
 
     ``counters`` holds ``preemptions``, ``refused_allocations``,
     ``prefill_tokens``, ``recomputed_tokens``, ``generated_tokens`` and
@@ -204,22 +205,18 @@ class SideReport:
     """
 
     role: str
-    instances: tuple[tuple[GroupUsage, ...], ...]
+    instances: tuple[tuple[PoolUsage, ...], ...]
     counters: dict[str, int]
     allocator_s: float
     prefix: PrefixReport | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The ``"prefill"`` or ``"decode"`` object of ``--json``."""
-        instances = [[{**attrs.asdict(g), "usable_blocks": g.num_blocks - 1,
-                       "peak_fraction": round(g.peak_fraction, 4),
-                       "mean_fraction": round(g.mean_fraction, 4),
-                       "mean_blocks": round(g.mean_blocks, 2)} for g in groups]
-                     for groups in self.instances]
+        instances = [[u.to_json() for u in pools] for pools in self.instances]
         return {"instances": len(self.instances), **self.counters,
                 "allocator_s": round(self.allocator_s, 3),
                 "prefix_cache": None if self.prefix is None else self.prefix.to_json(),
-                "groups": instances}
+                "pools": instances}
 
 
 @attrs.frozen
@@ -294,7 +291,7 @@ class DisaggResult:
     ``series`` holds the run's series for the plot, sampled at every step
     of every instance (``time`` and running totals or counts);
     ``usage`` each instance's ``(role, index, step end times, blocks held
-    per group)``.
+    per pool)``.
     """
 
     config: DisaggConfig
@@ -321,7 +318,7 @@ class DisaggResult:
             "concurrency": base.concurrency, "max_batched_tokens": base.max_batched_tokens,
             "max_model_len": base.model_len, "mtp_depth": base.model.next_n,
             "step_ms": base.step_ms, "speedup": base.speedup,
-            "prefix_caching": base.caches_prefixes, **self.counters,
+            "prefix_caching": base.caches_prefixes, "layout": base.layout, **self.counters,
             "prefill": self.prefill.to_json(), "decode": self.decode.to_json(),
             "transfers": self.transfers.to_json(), "latency": self.latency.to_json(),
             "simulated_s": round(self.simulated_s, 3), "wall_s": round(self.wall_s, 3)}

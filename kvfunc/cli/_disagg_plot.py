@@ -17,13 +17,13 @@ __all__ = ["plot_disaggregated"]
 
 def _usage_panel(ax: Any, result: DisaggResult, role: str) -> None:
     side = result.prefill if role == "prefill" else result.decode
-    for (_, index, times, usage), groups in zip(
+    for (_, index, times, usage), pools in zip(
             [u for u in result.usage if u[0] == role], side.instances, strict=True):
-        for group, used in zip(groups, usage, strict=True):
+        for pool, used in zip(pools, usage, strict=True):
             xs, ys = downsample(times, used)
-            usable = max(1, group.num_blocks - 1)
-            label = (f"{role} {index} {group.manager_key}: {usable:,} usable blocks, peak "
-                     f"{group.peak_fraction:.0%}, mean {group.mean_fraction:.0%}")
+            usable = max(1, pool.num_blocks - 1)
+            label = (f"{role} {index} {pool.label}: {usable:,} usable blocks, peak "
+                     f"{pool.peak_fraction:.0%}, mean {pool.mean_fraction:.0%}")
             ax.plot(xs, [100 * y / usable for y in ys], linewidth=0.8, label=label)
     ax.set_ylabel(f"{role} side:\nblocks in use (%)")
     ax.set_ylim(0, 105)

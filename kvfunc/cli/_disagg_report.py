@@ -17,10 +17,11 @@ from kvfunc.cli._disagg import (
     SideReport,
     TransferReport,
 )
+from kvfunc.cli._layout import pool_usage
 from kvfunc.cli._mooncake import upper_bound
 from kvfunc.cli._prefix import hash_block_size
 from kvfunc.cli._scheduler import Scheduler
-from kvfunc.cli._simulate import GroupUsage, PrefixReport
+from kvfunc.cli._simulate import PrefixReport
 from kvfunc.cli._units import format_bytes
 
 if TYPE_CHECKING:
@@ -29,20 +30,14 @@ if TYPE_CHECKING:
 __all__ = ["build_result", "render_disaggregated"]
 
 
-def _usage(inst: Scheduler) -> tuple[GroupUsage, ...]:
-    state = inst.state
-    return tuple(GroupUsage(g.key, g.policy.attn_type, g.policy.num_blocks, max(used, default=0),
-                            statistics.fmean(used) if used else 0.0)
-                 for g, used in zip(state.groups, inst.usage, strict=True))
-
-
 def _side(role: str, instances: Sequence[Scheduler], prefix: PrefixReport | None
           ) -> SideReport:
     counters = {name: sum(getattr(i, name) for i in instances)
                 for name in ("preemptions", "refused_allocations", "prefill_tokens",
                              "recomputed_tokens", "generated_tokens", "steps")}
     spent = sum(sum(i.alloc_s) for i in instances)
-    return SideReport(role, tuple(_usage(i) for i in instances), counters, spent, prefix)
+    return SideReport(role, tuple(pool_usage(i.state, i.usage) for i in instances), counters,
+                      spent, prefix)
 
 
 def _prefix_report(run: _Run) -> PrefixReport | None:
@@ -95,16 +90,16 @@ def _ms(q: Quantiles) -> str:
 
 def _usage_table(result: DisaggResult) -> Table:
     table = Table(show_edge=False)
-    for header in ("instance", "manager key", "usable\nblocks", "peak\nused", "peak",
+    for header in ("instance", "pool", "usable\nblocks", "peak\nused", "peak",
                    "mean\nused", "mean"):
-        table.add_column(header, justify="left" if header in ("instance", "manager key")
+        table.add_column(header, justify="left" if header in ("instance", "pool")
                          else "right")
     for side in (result.prefill, result.decode):
-        for index, groups in enumerate(side.instances):
-            for g in groups:
-                table.add_row(f"{side.role} {index}", g.manager_key, f"{g.num_blocks - 1:,}",
-                              f"{g.peak_blocks:,}", f"{g.peak_fraction:.1%}",
-                              f"{g.mean_blocks:,.0f}", f"{g.mean_fraction:.1%}")
+        for index, pools in enumerate(side.instances):
+            for u in pools:
+                table.add_row(f"{side.role} {index}", u.label, f"{u.num_blocks - 1:,}",
+                              f"{u.peak_blocks:,}", f"{u.peak_fraction:.1%}",
+                              f"{u.mean_blocks:,.0f}", f"{u.mean_fraction:.1%}")
     return table
 
 
@@ -136,7 +131,8 @@ def render_disaggregated(result: DisaggResult, console: Console,
     console.print(f"instances: {cfg.num_prefill} prefill ({caching}), {cfg.num_decode} decode; "
                   f"each FIFO, up to {base.concurrency} requests, {base.max_batched_tokens:,} "
                   f"tokens/step, {base.step_ms:g} ms/step, arrivals x{base.speedup:g}, MTP "
-                  f"{base.model.next_n}; links {cfg.link_bandwidth / 1e9:g} GB/s per instance")
+                  f"{base.model.next_n}; links {cfg.link_bandwidth / 1e9:g} GB/s per instance; "
+                  f"{base.layout} layout")
     console.print(f"requests: {c['requests']:,}; served [bold]{c['served']:,}[/bold], rejected "
                   f"{c['rejected']:,} ({c['finished_on_prefill']:,} finished on the prefill side: "
                   "one output token)")

@@ -49,12 +49,12 @@ from kvfunc.cli._disagg_link import TransferLedger
 from kvfunc.cli._disagg_report import build_result
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import MAX_STATE_BLOCKS, check_state_size
-from kvfunc.cli._plan import PlanConfig, plan_model
+from kvfunc.cli._plan import PlanConfig, plan_model, size_shared_blocks
 from kvfunc.cli._prefix import PrefixCacher, hash_block_size
-from kvfunc.cli._scheduler import SchedulerConfig
+from kvfunc.cli._scheduler import SchedulerConfig, fits_alone
 from kvfunc.cli._simulate import PREFIX_HASH_FN, build_state
 from kvfunc.cli._simulate import _cycle_collector_paused as cycle_collector_paused
-from kvfunc.core import NULL_BLOCK, KVState, allocate_slots, get_block_ids
+from kvfunc.core import NULL_BLOCK, KVState, allocate_slots, get_block_ids, shared_page_layout
 
 __all__ = ["MAX_RUN_BLOCKS", "SERIES", "run_disaggregated"]
 
@@ -69,14 +69,24 @@ _READY, _START, _END = 0, 1, 2
 
 
 def _size(config: DisaggConfig) -> tuple[dict[str, int], KVState, KVState]:
-    """Bytes per block of each group, and an empty prefill and decode state (checked bounds)."""
+    """Bytes per block of each group, and an empty prefill and decode state (checked bounds).
+
+    A group's block moves its own bytes in either layout (a shared pool's page
+    padding is not sent).
+    """
     base = config.base
-    plan = plan_model(base.model, PlanConfig(
-        base.budget, concurrency=base.concurrency,
-        max_prefill_tokens=base.max_batched_tokens, max_len=base.model_len))
-    check_state_size({g.manager_key: g.num_blocks for g in plan.groups},
-                     fix="lower --memory or --concurrency, or raise --block-size")
-    blocks = sum(g.num_blocks for g in plan.groups)
+    plan = PlanConfig(base.budget, concurrency=base.concurrency,
+                      max_prefill_tokens=base.max_batched_tokens, max_len=base.model_len)
+    if base.layout == "shared":
+        pool = {"shared": size_shared_blocks(base.model, plan)}
+        page = shared_page_layout(base.model.cache_info)
+        block_bytes = {g.manager_key: g.block_bytes for g in page.groups}
+    else:
+        report = plan_model(base.model, plan)
+        pool = {g.manager_key: g.num_blocks for g in report.groups}
+        block_bytes = {g.manager_key: g.block_bytes for g in report.groups}
+    check_state_size(pool, fix="lower --memory or --concurrency, or raise --block-size")
+    blocks = sum(pool.values())
     total = blocks * (config.num_prefill + config.num_decode)
     if total > MAX_RUN_BLOCKS:
         raise CLIError(f"{config.ratio} instances of {blocks:,} blocks each would hold "
@@ -84,7 +94,7 @@ def _size(config: DisaggConfig) -> tuple[dict[str, int], KVState, KVState]:
                        "costs host memory): lower --memory or the instances")
     p_state = build_state(base)
     d_state = build_state(attrs.evolve(base, prefix_caching=False))
-    return {g.manager_key: g.block_bytes for g in plan.groups}, p_state, d_state
+    return block_bytes, p_state, d_state
 
 
 class _Run:
@@ -131,7 +141,11 @@ class _Run:
 
     # -- arrivals ------------------------------------------------------------------------
     def servable(self, rid: int) -> bool:
-        """Whether ``rid`` fits an empty decode instance, and its prompt an empty prefill one."""
+        """Whether ``rid`` fits an empty decode instance, and its prompt an empty prefill one.
+
+        The decode side takes the whole prompt at once (the pull writes into
+        it); the prefill side prefills it chunk by chunk.
+        """
         r = self.requests[rid]
         p_state, d_state = self.fresh
         total = r.prompt_tokens + r.output_tokens
@@ -140,7 +154,7 @@ class _Run:
             return False
         need = min(total + 2 * self.config.base.model.next_n, limit)
         return (allocate_slots(d_state, -1, 0, need).ok
-                and allocate_slots(p_state, -1, 0, r.prompt_tokens).ok)
+                and fits_alone(p_state, r.prompt_tokens, self.config.base.max_batched_tokens))
 
     def _route(self, rid: int) -> PrefillInstance:
         prefix, prompt, n = self.prefix, self.requests[rid].prompt_tokens, len(self.prefill)

@@ -30,6 +30,7 @@ from kvfunc.cli._custom import load_model_file
 from kvfunc.cli._disagg_cli import check_disaggregated_args, simulate_disaggregated
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import check_writable, show
+from kvfunc.cli._layout import SIM_LAYOUTS, default_layout
 from kvfunc.cli._log import ReplayFailed, log_write_error, verify_log
 from kvfunc.cli._plan import Budget, PlanConfig, plan_model, render_shared_plan
 from kvfunc.cli._presets import ModelPreset, build_preset, preset_names
@@ -112,6 +113,16 @@ def _outputs(args: argparse.Namespace) -> str | None:
     return plot
 
 
+def _layouts(args: argparse.Namespace, model: ModelPreset) -> tuple[str, ...]:
+    """The layouts to run: ``--layout``, the model's default, or both for a sweep."""
+    if args.layout == "both":
+        if args.capacity_sweep is None:
+            raise CLIError("--layout both applies to --capacity-sweep (one curve per layout); "
+                           "name one layout for a single run: shared or per-type")
+        return SIM_LAYOUTS
+    return (args.layout or default_layout(model),)
+
+
 def _simulate(args: argparse.Namespace) -> int:
     check_disaggregated_args(args)
     plot_path = _outputs(args)
@@ -120,12 +131,14 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.requests and args.trace != "synthetic" and len(trace.requests) < args.requests:
         print(f"kvfunc simulate: note: --requests {args.requests:,} asked for more than the "
               f"trace has; simulating all {len(trace.requests):,}", file=sys.stderr)
+    layouts = _layouts(args, model)
     config = SimulationConfig(model, trace, _budget(args, model), concurrency=args.concurrency,
                               max_batched_tokens=args.max_batched_tokens,
                               max_model_len=args.max_model_len, step_ms=args.step_ms,
-                              speedup=args.speedup, prefix_caching=not args.no_prefix_caching)
+                              speedup=args.speedup, prefix_caching=not args.no_prefix_caching,
+                              layout=layouts[0])
     if args.capacity_sweep is not None:
-        return _sweep(args, config, plot_path)
+        return _sweep(args, config, plot_path, layouts)
     if args.disaggregated is not None:
         return simulate_disaggregated(args, config, plot_path,
                                       _progress(args, "simulating", "requests"))
@@ -164,11 +177,12 @@ def _open_log(path: str) -> IO[str]:
         raise log_write_error(path, exc) from None
 
 
-def _sweep(args: argparse.Namespace, config: SimulationConfig, plot_path: str | None) -> int:
+def _sweep(args: argparse.Namespace, config: SimulationConfig, plot_path: str | None,
+           layouts: tuple[str, ...]) -> int:
     progress = _progress(args, "sweeping", "cache sizes")
     with progress:
-        task = progress.add_task("sweep", total=args.capacity_sweep)
-        sweep = run_sweep(config, points=args.capacity_sweep, jobs=args.jobs,
+        task = progress.add_task("sweep", total=args.capacity_sweep * len(layouts))
+        sweep = run_sweep(config, points=args.capacity_sweep, jobs=args.jobs, layouts=layouts,
                           on_point=lambda done, _total: progress.update(task, completed=done))
     if plot_path is not None:
         from kvfunc.cli._plot import plot_sweep  # matplotlib loads only when it is needed

@@ -40,12 +40,13 @@ from kvfunc.core import (
     SizingConfig,
     calculate_block_num,
     calculate_fixed_block_memory_bytes,
+    calculate_shared_block_num,
     dtype_itemsize,
     shared_page_layout,
 )
 
 __all__ = ["MAX_CONCURRENCY", "Budget", "GroupPlan", "PlanConfig", "PlanReport", "plan_model",
-           "render_shared_plan", "size_blocks"]
+           "render_shared_plan", "size_blocks", "size_shared_blocks"]
 
 #: The most requests a plan or a simulation may run at once (``--concurrency``).
 MAX_CONCURRENCY = 2**20
@@ -197,14 +198,18 @@ def _entry_block_bytes(cache: CacheEntry) -> int:
     return cache.block_size * (token_bytes // cache.compress_ratio)
 
 
+def _budget_line(budget: Budget) -> str:
+    return (f"the cache budget is {format_bytes(max(0.0, budget.cache_budget_bytes))} "
+            f"({format_bytes(budget.memory_bytes)} x {budget.mem_fraction:g} - "
+            f"{format_bytes(budget.used_bytes)} used - "
+            f"{format_bytes(budget.extra_reserved_bytes)} reserved)")
+
+
 def _explain_shortage(model: ModelPreset, config: PlanConfig, sizing: SizingConfig,
                       reason: str) -> str:
     """One line: why the budget is too small, in the command's terms, and what to change."""
     budget = config.budget
-    have = (f"the cache budget is {format_bytes(max(0.0, budget.cache_budget_bytes))} "
-            f"({format_bytes(budget.memory_bytes)} x {budget.mem_fraction:g} - "
-            f"{format_bytes(budget.used_bytes)} used - "
-            f"{format_bytes(budget.extra_reserved_bytes)} reserved)")
+    have = _budget_line(budget)
     _, fixed = calculate_fixed_block_memory_bytes(sizing, model.cache_info)
     if config.offline_max_len:
         why = f"offline sizing for {config.offline_max_len:,}-token requests does not fit"
@@ -258,6 +263,35 @@ def size_blocks(model: ModelPreset, config: PlanConfig) -> dict[str, int]:
     if fixed > budget.cache_budget_bytes:
         raise CLIError(_explain_shortage(model, config, sizing, "state caches do not fit"))
     return blocks
+
+
+def size_shared_blocks(model: ModelPreset, config: PlanConfig) -> int:
+    """Blocks of one pool shared by every group, from :func:`kvfunc.calculate_shared_block_num`.
+
+    What ``--layout shared`` runs on; every group states this count.
+
+    Raises:
+        CLIError: the budget cannot hold the pool (with what to change).
+
+    >>> from kvfunc.cli._presets import build_preset
+    >>> size_shared_blocks(build_preset("gpt-oss-120b"), PlanConfig(Budget(24 * 2**30)))
+    39321
+    """
+    budget = config.budget
+    try:
+        pool = calculate_shared_block_num(
+            _sizing_config(model, config), model.cache_info,
+            free_memory_bytes=budget.memory_bytes - budget.used_bytes,
+            total_memory_bytes=budget.memory_bytes, offline_max_len=config.offline_max_len,
+            extra_reserved_memory_bytes=budget.extra_reserved_bytes)
+    except MemoryError as exc:
+        msg = (f"{_budget_line(budget)}; the shared pool does not fit it: {exc}"
+               f"{_padding_hint(model)}: raise --memory or --mem-fraction, lower "
+               "--concurrency or --max-batched-tokens, or try --layout per-type")
+        raise CLIError(msg) from None
+    except ValueError as exc:
+        raise CLIError(f"cannot size {model.name}'s shared pool: {exc}") from None
+    return pool.num_blocks
 
 
 def plan_model(model: ModelPreset, config: PlanConfig) -> PlanReport:

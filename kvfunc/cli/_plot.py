@@ -53,14 +53,13 @@ def _save(fig: Figure, path: str | Path) -> Path:
 
 
 def _usage_panel(ax: Any, result: SimulationResult) -> None:
-    for group, used in zip(result.groups, result.usage, strict=True):
+    for pool, used in zip(result.pools, result.usage, strict=True):
         xs, ys = downsample(result.times, used)
-        usable = max(1, group.num_blocks - 1)
-        kind = "" if group.manager_key == group.attn_type else f" ({group.attn_type})"
-        label = (f"{group.manager_key}{kind}: {usable:,} usable blocks, "
-                 f"peak {group.peak_fraction:.0%}, mean {group.mean_fraction:.0%}")
+        usable = max(1, pool.num_blocks - 1)
+        label = (f"{pool.label}: {usable:,} usable blocks, "
+                 f"peak {pool.peak_fraction:.0%}, mean {pool.mean_fraction:.0%}")
         ax.plot(xs, [100 * y / usable for y in ys], linewidth=0.9, label=label)
-    ax.set_ylabel("blocks in use (%)")
+    ax.set_ylabel("blocks in use per pool (%)")
     ax.set_ylim(0, 105)
     ax.legend(fontsize=7, loc="lower right", framealpha=0.8)
 
@@ -94,7 +93,8 @@ def _hit_panel(ax: Any, result: SimulationResult) -> None:
 def plot_usage(result: SimulationResult, path: str | Path, *, title: str | None = None) -> Path:
     """Write a PNG of a run over simulated time, one panel per question.
 
-    Panels: each group's blocks in use (percent of its usable blocks);
+    Panels: each pool's blocks in use (percent of its usable blocks: a pool
+    per group with ``--layout per-type``, one for every group with ``shared``);
     requests waiting and running; preemptions and refused allocations so far;
     and, on a run that caches prefixes, the hit rate so far against the
     trace's upper bound.
@@ -131,7 +131,8 @@ def plot_usage(result: SimulationResult, path: str | Path, *, title: str | None 
     axes[-1].set_xlabel("simulated time (s)")
     cfg = result.config
     default_title = (f"{cfg.model.name}: {len(cfg.trace.requests):,} requests of "
-                     f"{cfg.trace.name}, {format_bytes(cfg.budget.memory_bytes)} of memory")
+                     f"{cfg.trace.name}, {format_bytes(cfg.budget.memory_bytes)} of memory, "
+                     f"{cfg.layout} layout")
     axes[0].set_title(title or default_title, fontsize=10)
     return _save(fig, path)
 
@@ -151,7 +152,8 @@ def _short(count: float) -> str:
 def plot_sweep(sweep: SweepResult, path: str | Path, *, title: str | None = None) -> Path:
     """Write a PNG of hit rate against cache capacity (log x), the upper bound marked.
 
-    Each point is labelled with the ``--memory`` of its run.
+    One curve per layout swept; the first layout's points are labelled with
+    the ``--memory`` of their run (every layout runs the same sizes).
 
     Raises:
         CLIError: the file cannot be written.
@@ -170,10 +172,14 @@ def plot_sweep(sweep: SweepResult, path: str | Path, *, title: str | None = None
     fig = Figure(figsize=(8, 4.8), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    xs = [p.capacity_tokens for p in sweep.points]
-    ys = [100 * p.hit_rate for p in sweep.points]
-    ax.plot(xs, ys, marker="o", linewidth=1.2, label="simulated hit rate")
-    for p in sweep.points:
+    layouts = sweep.layouts
+    for i, layout in enumerate(layouts):
+        curve = sweep.curve(layout)
+        label = ("simulated hit rate" if len(layouts) == 1 else
+                 f"simulated hit rate, {layout} layout")
+        ax.plot([p.capacity_tokens for p in curve], [100 * p.hit_rate for p in curve],
+                marker="os"[i % 2], linewidth=1.2, label=label)
+    for p in (sweep.curve(layouts[0]) if layouts else ()):
         # above and to the left: a rising curve leaves that corner free
         ax.annotate(format_bytes(p.memory_bytes), (p.capacity_tokens, 100 * p.hit_rate),
                     textcoords="offset points", xytext=(-5, 5), ha="right", fontsize=6.5,

@@ -113,6 +113,7 @@ def render_simulation(result: SimulationResult, console: Console,
                   f"{format_bytes(budget.memory_bytes)} x {budget.mem_fraction:g} "
                   f"- {format_bytes(budget.used_bytes)} used")
     console.print(f"trace: {cfg.trace.description}")
+    console.print(f"layout: {_layout_line(result)}")
     caching = ("prefix caching" if cfg.caches_prefixes else "no prefix caching"
                + (" (--no-prefix-caching)" if cfg.trace.has_hash_ids else
                   " (the trace records no token ids)"))
@@ -133,13 +134,14 @@ def render_simulation(result: SimulationResult, console: Console,
             f"{p.bound.hit_rate:.1%}); {p.recompute_hit_tokens:,} more hit after preemption; "
             f"blocks stored {p.stored_blocks:,}, evicted {p.evicted_blocks:,}")
     table = Table(show_edge=False)
-    for header in ("manager key", "type", "usable\nblocks", "peak\nused", "peak", "mean\nused",
+    for header in ("pool", "groups", "usable\nblocks", "peak\nused", "peak", "mean\nused",
                    "mean"):
-        table.add_column(header, justify="left" if header in ("manager key", "type")
-                         else "right")
-    for g in result.groups:
-        table.add_row(g.manager_key, g.attn_type, f"{g.num_blocks - 1:,}", f"{g.peak_blocks:,}",
-                      f"{g.peak_fraction:.1%}", f"{g.mean_blocks:,.0f}", f"{g.mean_fraction:.1%}")
+        table.add_column(header, justify="left" if header in ("pool", "groups") else "right")
+    for u in result.pools:
+        groups = ", ".join(k if k == t else f"{k} ({t})"
+                           for k, t in zip(u.manager_keys, u.attn_types, strict=True))
+        table.add_row(u.pool, groups, f"{u.num_blocks - 1:,}", f"{u.peak_blocks:,}",
+                      f"{u.peak_fraction:.1%}", f"{u.mean_blocks:,.0f}", f"{u.mean_fraction:.1%}")
     console.print(table)
     a = result.alloc_us
     console.print(f"allocator time per step (allocations, frees, prefix lookups): mean "
@@ -152,6 +154,14 @@ def render_simulation(result: SimulationResult, console: Console,
         console.print(f"plot: {plot_path}")
     if log_path:
         console.print(f"delta log: {log_path} (check it with: kvfunc replay {log_path})")
+
+
+def _layout_line(result: SimulationResult) -> str:
+    """What the run's layout is, in a few words."""
+    if result.config.layout == "shared":
+        return ("shared: one pool for every group, block ids unique across groups (vLLM's "
+                "hybrid layout); usage is per pool")
+    return "per-type: a pool per group, each sized for its own need (the seed's layout)"
 
 
 def render_sweep(sweep: SweepResult, console: Console, plot_path: str | None = None) -> None:
@@ -173,19 +183,26 @@ def render_sweep(sweep: SweepResult, console: Console, plot_path: str | None = N
     >>> "25.0%" in out.file.getvalue(), "upper bound" in out.file.getvalue()
     (True, True)
     """
-    cfg = sweep.config
+    cfg, layouts = sweep.config, sweep.layouts
+    sizes = len(sweep.curve(layouts[0])) if layouts else 0
     console.print(f"[bold]kvfunc simulate --capacity-sweep[/bold]: {cfg.model.name}, "
-                  f"{len(sweep.points)} cache sizes")
+                  f"{sizes} cache sizes" + (f" in {len(layouts)} layouts" if len(layouts) > 1
+                                             else ""))
     console.print(f"trace: {cfg.trace.description}")
+    console.print(f"layout: {' and '.join(layouts)}" + (
+        " (capacity: the paged groups' tokens; a shared pool's, beyond what the window and "
+        "state groups need for --concurrency requests)" if "shared" in layouts else ""))
     table = Table(show_edge=False)
-    for header in ("memory", "capacity (tokens)", "hit rate", "hit tokens", "stored blocks",
-                   "evicted blocks", "preemptions", "rejected", "wall s"):
-        table.add_column(header, justify="right")
+    headers = ("memory", "capacity\n(tokens)", "hit rate", "hit tokens", "stored\nblocks",
+               "evicted\nblocks", "preemptions", "rejected", "wall s")
+    for header in ("layout", *headers) if len(layouts) > 1 else headers:
+        table.add_column(header, justify="left" if header == "layout" else "right")
     for pt in sweep.points:
-        table.add_row(format_bytes(pt.memory_bytes), f"{pt.capacity_tokens:,}",
-                      f"{pt.hit_rate:.1%}", f"{pt.hit_tokens:,}", f"{pt.stored_blocks:,}",
-                      f"{pt.evicted_blocks:,}", f"{pt.preemptions:,}", f"{pt.rejected:,}",
-                      f"{pt.wall_s:.1f}")
+        row = (format_bytes(pt.memory_bytes), f"{pt.capacity_tokens:,}",
+               f"{pt.hit_rate:.1%}", f"{pt.hit_tokens:,}", f"{pt.stored_blocks:,}",
+               f"{pt.evicted_blocks:,}", f"{pt.preemptions:,}", f"{pt.rejected:,}",
+               f"{pt.wall_s:.1f}")
+        table.add_row(*((pt.layout, *row) if len(layouts) > 1 else row))
     console.print(table)
     b = sweep.bound
     console.print(f"the trace's upper bound (an infinite cache): [bold]{b.hit_rate:.1%}[/bold] "
@@ -199,12 +216,13 @@ def render_sweep(sweep: SweepResult, console: Console, plot_path: str | None = N
 
 
 def usage_summary(state: KVState) -> dict[str, dict[str, int]]:
-    """Usable blocks in use and in all, per manager key (the null block excluded).
+    """Usable blocks in use and in all, per pool (the null block excluded).
+
+    A pool per type is named by its manager key; a shared pool, once, ``"shared"``.
 
     >>> from kvfunc.core import FullAttention
     >>> usage_summary(KVState.create({"f": FullAttention(num_blocks=577, block_size=16)}, 64))
     {'f': {'used': 0, 'usable': 576}}
     """
-    pools = state.pools
-    return {g.key: {"used": pools[g.pool].num_blocks - 1 - pools[g.pool].num_free,
-                    "usable": pools[g.pool].num_blocks - 1} for g in state.groups}
+    return {p.name: {"used": p.num_blocks - 1 - p.num_free, "usable": p.num_blocks - 1}
+            for p in state.pools}

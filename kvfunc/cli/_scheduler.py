@@ -6,7 +6,7 @@ One :meth:`Scheduler.step` is one engine step of ``step_s`` simulated seconds:
 
 1. requests whose arrival time has come join the FIFO ``waiting`` queue (a
    request longer than ``max_model_len``, or that would not fit in an empty
-   cache, is rejected there and never runs);
+   cache prefilled chunk by chunk, is rejected there and never runs);
 2. every running request asks for its next slots, oldest first, within a
    token budget (``max_batched_tokens``): a chunk of its prefill, or one
    decode step (``1 + next_n`` tokens and ``next_n - 1`` lookahead with MTP);
@@ -55,12 +55,42 @@ from kvfunc.core import (
     free_request,
 )
 
-__all__ = ["Scheduler", "SchedulerConfig"]
+__all__ = ["Scheduler", "SchedulerConfig", "fits_alone"]
 
 DeltaSink = Callable[[int, BlocksChanged], None]
 #: The per-step series a scheduler records (see :attr:`Scheduler.series`).
 SERIES = ("waiting", "running", "preemptions", "refused_allocations", "prompt_tokens",
           "hit_tokens")
+
+
+def fits_alone(state: KVState, tokens: int, chunk: int) -> bool:
+    """Whether one request of ``tokens`` slots fits ``state`` alone, ``chunk`` tokens a step.
+
+    The check folds the request over ``state`` in chunks, as the steps
+    prefill it: a window group holds its window and a chunk at a time, never
+    the whole request, and every allocation checks the sum of every group's
+    need against the free count of the pool the groups share.  A step's
+    chunk may start anywhere in a block, so each chunk asks for up to a block
+    more, within the request.  A longer request folds through the same
+    chunks and more, so when ``tokens`` fit, any fewer do.
+
+    >>> from kvfunc.core import FullAttention, SlidingWindow
+    >>> s = KVState.create({"full": FullAttention(num_blocks=65, block_size=16),
+    ...                     "swa": SlidingWindow(num_blocks=17, block_size=16,
+    ...                                          sliding_window=32)}, 4096,
+    ...                    enable_prefix_caching=True)
+    >>> fits_alone(s, 600, 64), fits_alone(s, 600, 600), fits_alone(s, 1100, 64)
+    (True, False, False)
+    """
+    margin = max((g.policy.block_size for g in state.groups), default=1)
+    computed = 0
+    while computed < tokens:
+        new = min(chunk, tokens - computed)
+        res = allocate_slots(state, -1, computed, new, min(margin, tokens - computed - new))
+        if not res.ok:
+            return False
+        state, computed = res.state, computed + new
+    return True
 
 
 @attrs.frozen
@@ -100,8 +130,10 @@ class Scheduler:
                  ) -> None:
         self.state = state
         self.config = config
-        # The empty state, to check that a request fits at all.
+        # The empty state, to check that a request fits at all (see fits_alone), and the
+        # longest request known to fit and the shortest known not to.
         self._fresh = state
+        self._fits = (0, state.max_model_len + 1)
         self._on_delta = on_delta
         #: Block hashes, lookups and hit counters; None without prefix caching.
         self.prefix = prefix
@@ -125,9 +157,10 @@ class Scheduler:
         self.finished = self.preemptions = self.refused_allocations = 0
         self.prefill_tokens = self.recomputed_tokens = self.generated_tokens = 0
         self.prompt_tokens = 0  # prompts of the requests admitted (first admissions)
-        self._capacity = [state.pools[g.pool].num_blocks - 1 for g in state.groups]
-        #: Per group, blocks held after each step (the null block excluded).
-        self.usage: list[list[int]] = [[] for _ in state.groups]
+        self._capacity = [p.num_blocks - 1 for p in state.pools]
+        #: Per pool (``state.pools``), blocks held after each step (the null block
+        #: excluded): with a shared pool one series covers every group, counted once.
+        self.usage: list[list[int]] = [[] for _ in state.pools]
         #: After each step: requests waiting and running, and running totals of
         #: preemptions, refused allocations, admitted prompt tokens and their hits.
         self.series: dict[str, list[int]] = {name: [] for name in SERIES}
@@ -175,7 +208,13 @@ class Scheduler:
         if total > limit:
             return False
         need = min(total + 2 * self.config.next_n, limit)
-        return allocate_slots(self._fresh, -1, 0, need).ok
+        # Whether a request fits alone grows with its length only: decide each length once.
+        low, high = self._fits
+        if need <= low or need >= high:
+            return need <= low
+        ok = fits_alone(self._fresh, need, self.config.max_batched_tokens)
+        self._fits = (need, high) if ok else (low, need)
+        return ok
 
     def _arrivals(self) -> None:
         arrival, n = self.arrival, len(self.arrival)
@@ -305,10 +344,9 @@ class Scheduler:
         self.clock += self.config.step_s
         self.times.append(self.clock)
         self.alloc_s.append(self._spent)
-        capacity = self._capacity
-        pools = self.state.pools
-        for i, g in enumerate(self.state.groups):
-            self.usage[i].append(capacity[i] - pools[g.pool].num_free)
+        for used, capacity, pool in zip(self.usage, self._capacity, self.state.pools,
+                                        strict=True):
+            used.append(capacity - pool.num_free)
         self._record()
         return len(batch)
 

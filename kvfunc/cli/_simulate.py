@@ -22,16 +22,23 @@ import attrs
 
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import check_state_size, show
+from kvfunc.cli._layout import PoolUsage, check_layout, default_layout, group_rows, pool_usage
 from kvfunc.cli._log import DeltaLogWriter
 from kvfunc.cli._mooncake import UpperBound, hit_rate, upper_bound
-from kvfunc.cli._plan import MAX_CONCURRENCY, Budget, PlanConfig, size_blocks
+from kvfunc.cli._plan import (
+    MAX_CONCURRENCY,
+    Budget,
+    PlanConfig,
+    size_blocks,
+    size_shared_blocks,
+)
 from kvfunc.cli._prefix import PrefixCacher, hash_block_size
 from kvfunc.cli._presets import MAX_MODEL_LEN, ModelPreset
 from kvfunc.cli._scheduler import Scheduler, SchedulerConfig
 from kvfunc.cli._trace import Trace
 from kvfunc.core import KVState
 
-__all__ = ["GroupUsage", "PrefixReport", "SimulationConfig", "SimulationResult",
+__all__ = ["PrefixReport", "SimulationConfig", "SimulationResult", "build_state",
            "run_simulation"]
 
 Progress = Callable[[int, int], None]
@@ -57,6 +64,10 @@ class SimulationConfig:
         prefix_caching: cache prompt prefixes when the trace names its
             prompt blocks (a Mooncake trace); ``False`` prefills every prompt
             in full, for comparison.
+        layout: ``"shared"`` (one pool for every group, vLLM's hybrid layout)
+            or ``"per-type"`` (a pool per group, the seed's); by default
+            ``"shared"`` for a model with more than one group, else
+            ``"per-type"`` (see :mod:`kvfunc.cli._layout`).
     """
 
     model: ModelPreset
@@ -68,6 +79,8 @@ class SimulationConfig:
     step_ms: float = 20.0
     speedup: float = 1.0
     prefix_caching: bool = True
+    layout: str = attrs.field(
+        default=attrs.Factory(lambda self: default_layout(self.model), takes_self=True))
 
     def __attrs_post_init__(self) -> None:
         checks = (("--concurrency", self.concurrency, MAX_CONCURRENCY),
@@ -92,6 +105,7 @@ class SimulationConfig:
                 raise CLIError(f"{name} must be a number from 1e-06 to 1e+06, got {number!r}")
         if type(self.prefix_caching) is not bool:
             raise CLIError(f"prefix_caching must be a bool, got {self.prefix_caching!r}")
+        check_layout(self.layout)
 
     @property
     def caches_prefixes(self) -> bool:
@@ -102,27 +116,6 @@ class SimulationConfig:
     def model_len(self) -> int:
         """``max_model_len``, or the model's context length."""
         return self.max_model_len or self.model.max_model_len
-
-
-@attrs.frozen
-class GroupUsage:
-    """Block usage of one manager key over the run (the null block excluded)."""
-
-    manager_key: str
-    attn_type: str
-    num_blocks: int
-    peak_blocks: int
-    mean_blocks: float
-
-    @property
-    def peak_fraction(self) -> float:
-        """Peak usage as a share of the usable blocks."""
-        return self.peak_blocks / max(1, self.num_blocks - 1)
-
-    @property
-    def mean_fraction(self) -> float:
-        """Mean usage over steps as a share of the usable blocks."""
-        return self.mean_blocks / max(1, self.num_blocks - 1)
 
 
 @attrs.frozen
@@ -168,8 +161,10 @@ class PrefixReport:
 class SimulationResult:
     """What a run did; :meth:`to_json` is the ``--json`` summary.
 
+    ``pools`` is each pool's usage over the run (:class:`PoolUsage`: with
+    ``--layout per-type`` a pool per group, with ``shared`` one for all).
     ``times`` holds the simulated time at the end of each step; ``usage`` the
-    blocks each group held then (the null block excluded); ``series`` the
+    blocks each pool held then (the null block excluded); ``series`` the
     scheduler's per-step series (waiting and running requests, running totals
     of preemptions, refused allocations, prompt tokens and hit tokens).
     ``prefix`` is ``None`` on a trace that does not name its prompt blocks.
@@ -177,7 +172,7 @@ class SimulationResult:
 
     config: SimulationConfig
     num_blocks: dict[str, int]
-    groups: tuple[GroupUsage, ...]
+    pools: tuple[PoolUsage, ...]
     counters: dict[str, int]
     steps: int
     simulated_s: float
@@ -190,24 +185,20 @@ class SimulationResult:
     prefix: PrefixReport | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Plain data: settings, counters, per-group usage and allocator timings."""
+        """Plain data: settings, counters, usage per pool, the groups, allocator timings."""
         cfg = self.config
-        groups = [{**attrs.asdict(g), "usable_blocks": g.num_blocks - 1,
-                   "peak_fraction": round(g.peak_fraction, 4),
-                   "mean_fraction": round(g.mean_fraction, 4),
-                   "mean_blocks": round(g.mean_blocks, 2)} for g in self.groups]
         return {
             "model": cfg.model.name, "trace": cfg.trace.description,
             "memory_bytes": cfg.budget.memory_bytes, "mem_fraction": cfg.budget.mem_fraction,
             "used_bytes": cfg.budget.used_bytes, "concurrency": cfg.concurrency,
             "max_batched_tokens": cfg.max_batched_tokens, "max_model_len": cfg.model_len,
             "mtp_depth": cfg.model.next_n, "step_ms": cfg.step_ms, "speedup": cfg.speedup,
-            "prefix_caching": cfg.caches_prefixes,
+            "prefix_caching": cfg.caches_prefixes, "layout": cfg.layout,
             "prefix_cache": None if self.prefix is None else self.prefix.to_json(),
             "num_blocks": self.num_blocks, **self.counters, "steps": self.steps,
             "simulated_s": round(self.simulated_s, 3), "wall_s": round(self.wall_s, 3),
             "allocator_us_per_step": {k: round(v, 2) for k, v in self.alloc_us.items()},
-            "groups": groups,
+            "pools": [u.to_json() for u in self.pools], "groups": group_rows(self.final_state),
         }
 
 
@@ -218,20 +209,39 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 def build_state(config: SimulationConfig) -> KVState:
-    """The empty cache state the budget gives ``config.model``.
+    """The empty cache state the budget gives ``config.model`` in ``config.layout``.
+
+    ``per-type`` sizes a pool per group (:func:`~kvfunc.cli._plan.size_blocks`),
+    ``shared`` one pool for every group
+    (:func:`~kvfunc.cli._plan.size_shared_blocks`).
+
+    Raises:
+        CLIError: the budget cannot hold the caches, or the state would be too large.
 
     >>> from kvfunc.cli._presets import build_preset
     >>> from kvfunc.cli._trace import synthetic_trace
     >>> cfg = SimulationConfig(build_preset("llama-3-8b"), synthetic_trace(1), Budget(2**33))
     >>> build_state(cfg)
     KVState(max_model_len=8192, groups=('FullAttention',), usage='FullAttention:1/3686')
+    >>> hybrid = SimulationConfig(build_preset("gpt-oss-120b"), synthetic_trace(1),
+    ...                           Budget(2**33))
+    >>> [(p.name, p.members, p.num_blocks) for p in build_state(hybrid).pools]
+    [('shared', ('SlidingWindow', 'FullAttention'), 13107)]
     """
     plan = PlanConfig(config.budget, concurrency=config.concurrency,
                       max_prefill_tokens=config.max_batched_tokens, max_len=config.model_len)
-    blocks = size_blocks(config.model, plan)
-    check_state_size(blocks, fix="lower --memory or --concurrency, or raise --block-size")
+    fix = "lower --memory or --concurrency, or raise --block-size"
+    if config.layout == "shared":
+        size = size_shared_blocks(config.model, plan)
+        check_state_size({"shared": size}, fix=fix)
+        keys = {c.group_key for _, c in config.model.cache_info.iter_caches() if c.needs_block}
+        blocks = dict.fromkeys(keys, size)
+    else:
+        blocks = size_blocks(config.model, plan)
+        check_state_size(blocks, fix=fix)
     return KVState.from_cache_info(config.model.cache_info, blocks, config.model_len,
-                                   enable_prefix_caching=config.caches_prefixes)
+                                   enable_prefix_caching=config.caches_prefixes,
+                                   layout=config.layout)
 
 
 @contextlib.contextmanager
@@ -297,10 +307,6 @@ def run_simulation(config: SimulationConfig, *, record: IO[str] | None = None,
         writer.close(sched.state)
     if on_progress is not None:
         on_progress(sched.done, total)
-    groups = tuple(
-        GroupUsage(g.key, g.policy.attn_type, g.policy.num_blocks, max(used, default=0),
-                   statistics.fmean(used) if used else 0.0)
-        for g, used in zip(state.groups, sched.usage, strict=True))
     spent = sorted(sched.alloc_s)
     alloc_us = {"mean": statistics.fmean(spent) * 1e6 if spent else 0.0,
                 "p50": _percentile(spent, 0.5) * 1e6, "p99": _percentile(spent, 0.99) * 1e6,
@@ -312,7 +318,8 @@ def run_simulation(config: SimulationConfig, *, record: IO[str] | None = None,
                 "recomputed_tokens": sched.recomputed_tokens,
                 "generated_tokens": sched.generated_tokens}
     return SimulationResult(
-        config, {g.key: g.policy.num_blocks for g in state.groups}, groups, counters,
+        config, {g.key: g.policy.num_blocks for g in state.groups},
+        pool_usage(state, sched.usage), counters,
         sched.steps, sched.clock, wall, alloc_us, tuple(sched.times),
         tuple(tuple(u) for u in sched.usage), sched.state,
         {name: tuple(values) for name, values in sched.series.items()},

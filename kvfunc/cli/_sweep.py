@@ -12,7 +12,10 @@ Theory of operation
 capped where the cache would pass the simulator's block bound
 (:data:`~kvfunc.cli._inputs.MAX_STATE_BLOCKS`).  Each size becomes the
 memory budget that gives it (:func:`memory_for_tokens`), so every point is an
-ordinary ``kvfunc simulate`` run with another ``--memory``.  The points run in
+ordinary ``kvfunc simulate`` run with another ``--memory``.  Given several
+layouts (``--layout both``), every memory runs in each: one curve per layout,
+each point at the capacity its layout gives the paged groups
+(:func:`capacity_tokens`).  The points run in
 a pool of processes (``spawn``: each imports kvfunc afresh and nothing is
 shared but the configuration), and each sends back a small
 :class:`SweepPoint`, never the run's per-step series.
@@ -24,27 +27,30 @@ import math
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any, NamedTuple
 
 import attrs
 
 from kvfunc.cli._errors import CLIError
-from kvfunc.cli._inputs import MAX_STATE_BLOCKS
+from kvfunc.cli._inputs import MAX_STATE_BLOCKS, show
+from kvfunc.cli._layout import check_layout
 from kvfunc.cli._mooncake import HASH_BLOCK_TOKENS, UpperBound, hit_rate, upper_bound
 from kvfunc.cli._plan import PlanConfig, plan_model
 from kvfunc.cli._simulate import SimulationConfig, run_simulation
 from kvfunc.cli._units import MAX_BYTES
+from kvfunc.core import KVState
 
-__all__ = ["SweepPoint", "SweepResult", "memory_for_tokens", "run_sweep", "sweep_capacities"]
+__all__ = ["SweepPoint", "SweepResult", "capacity_tokens", "memory_for_tokens", "run_sweep",
+           "sweep_capacities"]
 
 MAX_POINTS = 64
 
 
 @attrs.frozen
 class SweepPoint:
-    """One cache size of a sweep and what its run did."""
+    """One cache size of a sweep, in one layout, and what its run did."""
 
     memory_bytes: int
     capacity_tokens: int
@@ -57,6 +63,7 @@ class SweepPoint:
     rejected: int
     preemptions: int
     wall_s: float
+    layout: str = "per-type"
 
     @property
     def hit_rate(self) -> float:
@@ -74,7 +81,8 @@ class SweepResult:
     """A whole sweep: its base configuration, the points by capacity, and the trace's bound.
 
     ``capped`` says the largest point stopped at the simulator's block bound
-    before reaching a cache that evicts nothing.
+    before reaching a cache that evicts nothing.  ``points`` are grouped by
+    layout (in the order the sweep ran them), each group by capacity.
     """
 
     config: SimulationConfig
@@ -83,26 +91,40 @@ class SweepResult:
     capped: bool
     wall_s: float
 
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """The layouts swept, in the order of ``points``."""
+        return tuple(dict.fromkeys(p.layout for p in self.points))
+
+    def curve(self, layout: str) -> tuple[SweepPoint, ...]:
+        """The points of one layout, by capacity."""
+        return tuple(p for p in self.points if p.layout == layout)
+
     def to_json(self) -> dict[str, Any]:
-        """Plain data for ``--json``."""
+        """Plain data for ``--json``: each point carries its ``layout``."""
         cfg = self.config
         return {"model": cfg.model.name, "trace": cfg.trace.description,
                 "concurrency": cfg.concurrency, "max_batched_tokens": cfg.max_batched_tokens,
-                "upper_bound": self.bound.to_json(),
+                "layouts": list(self.layouts), "upper_bound": self.bound.to_json(),
                 "capped_by_block_bound": self.capped, "wall_s": round(self.wall_s, 2),
                 "points": [p.to_json() for p in self.points]}
 
 
-class _Layout(NamedTuple):
-    """What a budget buys, per token of the paged groups and in the other groups."""
+class _Costs(NamedTuple):
+    """What a budget buys, per token of the paged groups and in the other groups.
+
+    ``fixed_blocks`` counts the fixed groups' pools, null blocks included;
+    ``fixed_need`` the usable blocks they take for ``--concurrency`` requests.
+    """
 
     bytes_per_token: float
     fixed_bytes: int
     fixed_blocks: int
+    fixed_need: int
     paged_block_sizes: tuple[int, ...]
 
 
-def _layout(config: SimulationConfig) -> _Layout:
+def _costs(config: SimulationConfig) -> _Costs:
     # Bytes per block and the fixed groups do not depend on the memory: plan with plenty.
     budget = attrs.evolve(config.budget, memory_bytes=MAX_BYTES)
     report = plan_model(config.model, PlanConfig(
@@ -112,8 +134,33 @@ def _layout(config: SimulationConfig) -> _Layout:
     if not paged:
         raise CLIError(f"{config.model.name} has no paged (full-attention) cache to sweep")
     fixed = [g for g in report.groups if g.sizing != "paged"]
-    return _Layout(sum(g.block_bytes / g.block_size for g in paged), sum(g.bytes for g in fixed),
-                   sum(g.num_blocks for g in fixed), tuple(g.block_size for g in paged))
+    return _Costs(sum(g.block_bytes / g.block_size for g in paged), sum(g.bytes for g in fixed),
+                  sum(g.num_blocks for g in fixed), sum(g.num_blocks - 1 for g in fixed),
+                  tuple(g.block_size for g in paged))
+
+
+def capacity_tokens(config: SimulationConfig, state: KVState) -> int:
+    """Tokens the paged (full-attention) groups of ``state`` hold: a sweep point's x.
+
+    With a pool per type, the smallest paged pool's tokens.  With a shared
+    pool, the tokens of every paged group at once in what the pool keeps
+    beyond the fixed groups' need for ``--concurrency`` requests (what a pool
+    per type would give them), so both layouts of one memory sit side by side.
+
+    >>> from kvfunc.cli._plan import Budget
+    >>> from kvfunc.cli._presets import build_preset
+    >>> from kvfunc.cli._simulate import build_state
+    >>> from kvfunc.cli._trace import synthetic_trace
+    >>> cfg = SimulationConfig(build_preset("gpt-oss-120b"), synthetic_trace(1), Budget(2**34))
+    >>> per_type = attrs.evolve(cfg, layout="per-type")
+    >>> capacity_tokens(cfg, build_state(cfg)), capacity_tokens(per_type, build_state(per_type))
+    (410192, 410176)
+    """
+    paged = [g.policy for g in state.groups if g.policy.attn_type == "FullAttention"]
+    if state.layout != "shared":
+        return min((p.num_blocks - 1) * p.block_size for p in paged)
+    usable = state.pools[0].num_blocks - 1 - _costs(config).fixed_need
+    return max(0, int(usable / sum(1 / p.block_size for p in paged)))
 
 
 def memory_for_tokens(config: SimulationConfig, tokens: int) -> int:
@@ -129,10 +176,10 @@ def memory_for_tokens(config: SimulationConfig, tokens: int) -> int:
     >>> round(memory_for_tokens(cfg, 100_000) / 2**30, 2)  # 128 KiB a token, 90 % of it
     13.57
     """
-    layout = _layout(config)
+    costs = _costs(config)
     b = config.budget
-    slack = 2 * max(layout.paged_block_sizes)  # the null block, and rounding down
-    cache = layout.fixed_bytes + layout.bytes_per_token * (tokens + slack)
+    slack = 2 * max(costs.paged_block_sizes)  # the null block, and rounding down
+    cache = costs.fixed_bytes + costs.bytes_per_token * (tokens + slack)
     return math.ceil((cache + b.used_bytes + b.extra_reserved_bytes) / b.mem_fraction)
 
 
@@ -155,10 +202,10 @@ def sweep_capacities(config: SimulationConfig, points: int) -> tuple[list[int], 
     distinct = len({h for r in requests for h in r.hash_ids})
     high = distinct * HASH_BLOCK_TOKENS + sum(r.output_tokens for r in requests) + longest
     low = max(longest + extra, config.max_batched_tokens)
-    layout = _layout(config)
-    sizes = layout.paged_block_sizes
+    costs = _costs(config)
+    sizes = costs.paged_block_sizes
     # the null block, and memory_for_tokens' slack of two blocks, in each paged group
-    room = MAX_STATE_BLOCKS - layout.fixed_blocks - 4 * len(sizes)
+    room = MAX_STATE_BLOCKS - costs.fixed_blocks - 4 * len(sizes)
     most = int(room / sum(1 / s for s in sizes))
     capped = high > most
     high = max(low, min(high, most))
@@ -171,15 +218,15 @@ def _run_point(config: SimulationConfig) -> SweepPoint:
     result = run_simulation(config)
     prefix, c = result.prefix, result.counters
     assert prefix is not None  # the sweep runs only on traces with hash ids
-    paged = [g for g in result.final_state.groups if g.policy.attn_type == "FullAttention"]
-    capacity = min((g.policy.num_blocks - 1) * g.policy.block_size for g in paged)
+    capacity = capacity_tokens(config, result.final_state)
     return SweepPoint(config.budget.memory_bytes, capacity, result.num_blocks,
                       prefix.prompt_tokens, prefix.hit_tokens, prefix.stored_blocks,
                       prefix.evicted_blocks, c["served"], c["rejected"], c["preemptions"],
-                      result.wall_s)
+                      result.wall_s, config.layout)
 
 
 def run_sweep(config: SimulationConfig, *, points: int = 8, jobs: int | None = None,
+              layouts: Sequence[str] | None = None,
               on_point: Callable[[int, int], None] | None = None) -> SweepResult:
     """Simulate ``config`` at ``points`` cache sizes in ``jobs`` processes (default: CPUs).
 
@@ -188,11 +235,14 @@ def run_sweep(config: SimulationConfig, *, points: int = 8, jobs: int | None = N
             ``used_bytes`` and ``extra_reserved_bytes``; each point sets its own
             ``memory_bytes`` (``--memory`` is not used).
         points: how many cache sizes.
-        jobs: worker processes (at most ``points``).
+        jobs: worker processes (at most ``points`` times the layouts).
+        layouts: run every size in each of these layouts (one curve each);
+            default ``config.layout`` alone.  Both layouts run the same memory
+            sizes.
         on_point: called with ``(points done, points in all)`` as they finish.
 
     Raises:
-        CLIError: a trace without hash ids, caching turned off, or bad counts.
+        CLIError: a trace without hash ids, caching turned off, bad counts or layouts.
 
     >>> from kvfunc.cli._plan import Budget
     >>> from kvfunc.cli._presets import build_preset
@@ -208,9 +258,13 @@ def run_sweep(config: SimulationConfig, *, points: int = 8, jobs: int | None = N
                        "blocks (mooncake-conversation, mooncake-synthetic or a .jsonl file)")
     if jobs is not None and (type(jobs) is not int or jobs <= 0):
         raise CLIError(f"--jobs must be a positive integer, got {jobs!r}")
+    layouts = tuple(check_layout(x) for x in (layouts or (config.layout,)))
+    if not layouts or len(set(layouts)) != len(layouts):
+        raise CLIError(f"layouts must name each layout once, got {show(layouts)}")
     sizes, capped = sweep_capacities(config, points)
-    configs = [attrs.evolve(config, budget=attrs.evolve(
-        config.budget, memory_bytes=memory_for_tokens(config, tokens))) for tokens in sizes]
+    memory = [memory_for_tokens(config, tokens) for tokens in sizes]
+    configs = [attrs.evolve(config, layout=layout, budget=attrs.evolve(
+        config.budget, memory_bytes=m)) for layout in layouts for m in memory]
     workers = min(len(configs), jobs or os.cpu_count() or 1)
     done: list[SweepPoint] = []
     start = time.perf_counter()
@@ -220,6 +274,6 @@ def run_sweep(config: SimulationConfig, *, points: int = 8, jobs: int | None = N
             done.append(future.result())
             if on_point is not None:
                 on_point(len(done), len(futures))
-    ordered = tuple(sorted(done, key=lambda p: p.capacity_tokens))
+    ordered = tuple(sorted(done, key=lambda p: (layouts.index(p.layout), p.capacity_tokens)))
     return SweepResult(config, ordered, upper_bound(config.trace.requests), capped,
                        time.perf_counter() - start)

@@ -165,7 +165,7 @@ def test_the_command_reports_both_sides_in_json_and_writes_the_plot(
     p, d, t, lat = data["prefill"], data["decode"], data["transfers"], data["latency"]
     assert (0, "", 2, 1, b"\x89PNG") == (code, err, p["instances"], d["instances"],
                                        plot.read_bytes()[:4])
-    assert {"preemptions", "refused_allocations", "groups", "prefix_cache"} <= p.keys() & d.keys()
+    assert {"preemptions", "refused_allocations", "pools", "prefix_cache"} <= p.keys() & d.keys()
     assert (True, None, data["served"] - data["finished_on_prefill"]) == (
         0 <= p["prefix_cache"]["hit_rate"] <= 1, d["prefix_cache"], t["count"])
     assert {"bytes_moved", "wait_room_ms", "wait_link_ms", "transfer_ms"} <= t.keys()
