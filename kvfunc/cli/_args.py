@@ -10,6 +10,7 @@ from typing import NoReturn
 from kvfunc import __version__
 from kvfunc.cli._disagg_cli import add_disaggregated_args
 from kvfunc.cli._presets import preset_names
+from kvfunc.cli._scheduler import CACHE_OUTPUTS
 
 __all__ = ["SIMULATE_DEFAULTS", "SIMULATE_MEMORY", "SIMULATE_TRACE_MEMORY", "build_parser",
            "join_negative_values"]
@@ -107,6 +108,10 @@ def _simulate_args(sim: argparse.ArgumentParser) -> None:
                           "(default: shared for a model with more than one group, unless a "
                           "group would fill less than half of the shared page; else "
                           "per-type)")
+    sim.add_argument("--cache-outputs", choices=CACHE_OUTPUTS, default="as-filled",
+                     help="when a request's output blocks are cached: as-filled (each as a "
+                          "step fills it, as vLLM does) or at-release (hashed once, when the "
+                          "request is freed, as SGLang's radix cache inserts them)")
     sim.add_argument("--no-prefix-caching", action="store_true",
                      help="prefill every prompt in full, even on a trace that names its "
                           "prompt blocks (for comparison)")

@@ -136,7 +136,7 @@ def _simulate(args: argparse.Namespace) -> int:
                               max_batched_tokens=args.max_batched_tokens,
                               max_model_len=args.max_model_len, step_ms=args.step_ms,
                               speedup=args.speedup, prefix_caching=not args.no_prefix_caching,
-                              layout=layouts[0])
+                              layout=layouts[0], cache_outputs=args.cache_outputs)
     if args.capacity_sweep is not None:
         return _sweep(args, config, plot_path, layouts)
     if args.disaggregated is not None:

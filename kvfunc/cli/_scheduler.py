@@ -93,6 +93,10 @@ def fits_alone(state: KVState, tokens: int, chunk: int) -> bool:
     return True
 
 
+#: When a request's output blocks are cached (:attr:`SchedulerConfig.cache_outputs`).
+CACHE_OUTPUTS = ("as-filled", "at-release")
+
+
 @attrs.frozen
 class SchedulerConfig:
     """Engine settings of the simulated scheduler.
@@ -103,6 +107,11 @@ class SchedulerConfig:
         next_n: MTP depth: a decode step writes ``1 + next_n`` tokens.
         step_s: simulated seconds one step takes.
         speedup: arrival times are divided by this (2.0 = twice the load).
+        cache_outputs: with prefix caching, when a request's output blocks
+            are cached: ``"as-filled"`` (each as a step fills it, as vLLM
+            does) or ``"at-release"`` (no hashing while decoding; the
+            request's hashes go to ``free_request`` when it finishes or is
+            preempted, as SGLang's radix cache inserts at a request's end).
     """
 
     max_num_seqs: int = 64
@@ -110,6 +119,8 @@ class SchedulerConfig:
     next_n: int = 0
     step_s: float = 0.02
     speedup: float = 1.0
+    cache_outputs: str = attrs.field(default="as-filled",
+                                     validator=attrs.validators.in_(CACHE_OUTPUTS))
 
 
 class Scheduler:
@@ -137,6 +148,7 @@ class Scheduler:
         self._on_delta = on_delta
         #: Block hashes, lookups and hit counters; None without prefix caching.
         self.prefix = prefix
+        self._as_filled = config.cache_outputs == "as-filled"
         #: What the deltas say the prefix cache did (stored and evicted blocks).
         self.prefix_stats = PrefixCacheStats()
         self.arrival = [r.arrival_s / config.speedup for r in requests]
@@ -195,8 +207,11 @@ class Scheduler:
         return res
 
     def _free(self, state: KVState, rid: int) -> KVState:
+        hashes = None  # at release: the blocks of its computed tokens are cached as it frees
+        if self.prefix is not None and not self._as_filled:
+            hashes = self.prefix.hashes(rid, self.computed[rid])
         t0 = time.perf_counter()
-        state, delta = free_request(state, rid)
+        state, delta = free_request(state, rid, block_hashes=hashes)
         self._spent += time.perf_counter() - t0
         self._emit(delta)
         return state
@@ -244,8 +259,8 @@ class Scheduler:
             else:
                 continue
             budget -= new
-            if prefix is not None:  # hashed up to c + new: the blocks it fills get cached
-                prefix.hashes(rid, c + new)  # the step reads them from prefix.live
+            if prefix is not None and (left > 0 or self._as_filled):  # the blocks it fills
+                prefix.hashes(rid, c + new)  # get cached: the step reads prefix.live
             batch.append((rid, c, new, lookahead) if lookahead else (rid, c, new))
         return batch, budget
 

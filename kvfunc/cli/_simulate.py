@@ -34,9 +34,9 @@ from kvfunc.cli._plan import (
 )
 from kvfunc.cli._prefix import PrefixCacher, hash_block_size
 from kvfunc.cli._presets import MAX_MODEL_LEN, ModelPreset
-from kvfunc.cli._scheduler import Scheduler, SchedulerConfig
+from kvfunc.cli._scheduler import CACHE_OUTPUTS, Scheduler, SchedulerConfig
 from kvfunc.cli._trace import Trace
-from kvfunc.core import KVState
+from kvfunc.core import BlocksChanged, KVState
 
 __all__ = ["PrefixReport", "SimulationConfig", "SimulationResult", "build_state",
            "run_simulation"]
@@ -68,6 +68,8 @@ class SimulationConfig:
             or ``"per-type"`` (a pool per group, the seed's); by default
             ``"shared"`` for a model with more than one group, else
             ``"per-type"`` (see :mod:`kvfunc.cli._layout`).
+        cache_outputs: when output blocks are cached, ``"as-filled"`` or
+            ``"at-release"`` (:attr:`~kvfunc.cli.SchedulerConfig.cache_outputs`).
     """
 
     model: ModelPreset
@@ -81,6 +83,7 @@ class SimulationConfig:
     prefix_caching: bool = True
     layout: str = attrs.field(
         default=attrs.Factory(lambda self: default_layout(self.model), takes_self=True))
+    cache_outputs: str = "as-filled"
 
     def __attrs_post_init__(self) -> None:
         checks = (("--concurrency", self.concurrency, MAX_CONCURRENCY),
@@ -106,6 +109,9 @@ class SimulationConfig:
         if type(self.prefix_caching) is not bool:
             raise CLIError(f"prefix_caching must be a bool, got {self.prefix_caching!r}")
         check_layout(self.layout)
+        if self.cache_outputs not in CACHE_OUTPUTS:
+            raise CLIError(f"--cache-outputs must be one of {', '.join(CACHE_OUTPUTS)}, got "
+                           f"{show(self.cache_outputs)}")
 
     @property
     def caches_prefixes(self) -> bool:
@@ -265,13 +271,17 @@ def _cycle_collector_paused() -> Iterator[None]:
 
 
 def run_simulation(config: SimulationConfig, *, record: IO[str] | None = None,
-                   on_progress: Progress | None = None) -> SimulationResult:
+                   on_progress: Progress | None = None,
+                   on_delta: Callable[[int, BlocksChanged], None] | None = None
+                   ) -> SimulationResult:
     """Run ``config.trace`` through the scheduler on a freshly sized cache.
 
     Args:
         config: model, trace, budget and engine settings.
         record: a text stream to write the delta log to (see :mod:`kvfunc.cli._log`).
         on_progress: called now and then with ``(requests done, requests in all)``.
+        on_delta: called with ``(step, delta)`` for every non-empty delta, after
+            the log (if any) has it: KV events, a mirror of the cache.
 
     Raises:
         CLIError: the budget cannot hold the model's caches.
@@ -294,8 +304,9 @@ def run_simulation(config: SimulationConfig, *, record: IO[str] | None = None,
               if config.caches_prefixes else None)
     sched = Scheduler(state, requests, SchedulerConfig(
         max_num_seqs=config.concurrency, max_batched_tokens=config.max_batched_tokens,
-        next_n=config.model.next_n, step_s=config.step_ms / 1000, speedup=config.speedup),
-        on_delta=writer.write if writer is not None else None, prefix=prefix)
+        next_n=config.model.next_n, step_s=config.step_ms / 1000, speedup=config.speedup,
+        cache_outputs=config.cache_outputs),
+        on_delta=_both(writer.write if writer is not None else None, on_delta), prefix=prefix)
     total = len(config.trace.requests)
     start = time.perf_counter()
     with _cycle_collector_paused():
@@ -337,3 +348,16 @@ def _prefix_report(config: SimulationConfig, sched: Scheduler, block_size: int
         p is not None, sched.prompt_tokens, 0 if p is None else p.hit_tokens,
         0 if p is None else p.recompute_hit_tokens, stats.stored_blocks, stats.evicted_blocks,
         block_size, bound)
+
+
+def _both(first: Callable[[int, BlocksChanged], None] | None,
+          then: Callable[[int, BlocksChanged], None] | None
+          ) -> Callable[[int, BlocksChanged], None] | None:
+    """One delta callback calling ``first`` then ``then`` (either may be None)."""
+    if first is None or then is None:
+        return first or then
+
+    def both(step: int, delta: BlocksChanged) -> None:
+        first(step, delta)
+        then(step, delta)
+    return both
