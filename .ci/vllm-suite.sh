@@ -12,5 +12,6 @@ mapfile -t ids < <(cat "$ROOT"/tests/on_vllm/targets/*.txt)
 cd "$DEST"
 KVFUNC_VLLM="${KVFUNC_VLLM:-1}" VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 HF_HOME="$DEST/hf" \
     PYTHONPATH="$ROOT/tests/on_vllm${PYTHONPATH:+:$PYTHONPATH}" \
-    python -m pytest -p kvfunc_vllm_suite -p no:cacheprovider -q \
+    python -m pytest -c "$ROOT/tests/on_vllm/vllm-suite.ini" --rootdir "$DEST" \
+    -p kvfunc_vllm_suite -p no:cacheprovider -q \
     --kvfunc-report="$DEST/kvfunc-report.json" "${ids[@]}"

@@ -29,9 +29,11 @@ def run_vllm_tests(tmp_path: Path, **env: str) -> tuple[int, str, dict]:
     full_env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
                 "HF_HOME": str(Path(TESTS, "hf")), "PYTHONPATH": str(HERE), **env}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "kvfunc_vllm_suite", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-c", str(HERE / "vllm-suite.ini"),
+         "--rootdir", str(TESTS), "-p", "kvfunc_vllm_suite", "-p", "no:cacheprovider",
          "-q", f"--kvfunc-report={report}", *IDS], cwd=TESTS, env=full_env,
         capture_output=True, text=True, timeout=600, check=False)
+    assert report.exists(), (proc.stdout + proc.stderr)[-4000:]  # pytest itself failed
     return proc.returncode, proc.stdout + proc.stderr, json.loads(report.read_text())
 
 
