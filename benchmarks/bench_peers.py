@@ -32,7 +32,7 @@ prefix lookup, token bookkeeping and block hashing.
 vLLM has no batch call: its per-step cost is its per-call cost.  Lanes run
 interleaved in segments of 32 steps, the garbage collector off; medians of
 the rounds, and ratios are medians of per-round ratios.  Untimed checks:
-kvfunc's hit tokens (per call) equal vLLM's; every kvfunc lane ends in the
+every kvfunc lane's hit tokens equal vLLM's; every kvfunc lane ends in the
 same state; ``check_invariants`` holds.
 
 vLLM is optional: where it is not installed (``../shared/peers/vllm-cpu.sh``
