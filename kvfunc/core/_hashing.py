@@ -85,6 +85,7 @@ class BlockHashes:
         hash_fn: a name from :data:`HASH_FUNCTIONS`.
         root: the digest the first block chains from (salt and extra keys).
         num_blocks: full blocks hashed.
+        num_tokens: tokens covered by the hashed full blocks.
         hashes: one digest per full block, in order (a tuple, built on access).
         blocks: the token ids of each of those blocks (built on access).
 
@@ -103,12 +104,14 @@ class BlockHashes:
 
     # ``_digests`` / ``_tokens``: the lineage's shared lists (this value's entries first);
     # ``_end``: the sequence length at which the next block is full.
-    __slots__ = ("_digests", "_end", "_tokens", "block_size", "hash_fn", "num_blocks", "root")
+    __slots__ = ("_digests", "_end", "_tokens", "block_size", "hash_fn", "num_blocks",
+                 "num_tokens", "root")
 
     block_size: int
     hash_fn: str
     root: bytes
     num_blocks: int
+    num_tokens: int  # a field, not a property: the fold's lane reads it on every decode
     _digests: list[BlockHash]
     _tokens: list[int]
     _end: int
@@ -153,6 +156,7 @@ class BlockHashes:
         _set(self, "num_blocks", num_blocks)
         _set(self, "_digests", digests)
         _set(self, "_tokens", tokens)
+        _set(self, "num_tokens", num_blocks * block_size)
         _set(self, "_end", (num_blocks + 1) * block_size)
 
     @classmethod
@@ -219,11 +223,6 @@ class BlockHashes:
         if tail:
             _pack(tail)
         return value
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens covered by the hashed full blocks."""
-        return self.num_blocks * self.block_size
 
     @property
     def hashes(self) -> tuple[BlockHash, ...]:
