@@ -84,8 +84,11 @@ class RingCopy:
         """The ``n`` ids at the head (the caller checked ``n <= count``)."""
         h = self.head
         index, off = divmod(h, CHUNK)
-        if off + n <= CHUNK:  # the common case: one chunk
-            out = list(self._chunk(index)[off:off + n])
+        if off + n <= CHUNK:  # the common case: one chunk (``_chunk`` inlined)
+            chunk: Any = self.dirty.get(index)
+            if chunk is None:
+                chunk = self.chunks[index]
+            out = list(chunk[off:off + n])
             h += n
         else:
             out = []
