@@ -250,9 +250,10 @@ class GroupCopy:
                 sink.codes.append("A" * need)
         blocks, nulls, stored, shared, seq = row[:5]
         blocks += tuple(ids)
-        limits = row_limits(self.policy, self.traits, self.caching, nulls + len(blocks), nulls,
-                            stored, shared)
-        self.rows[request_id] = _new(Row, (blocks, nulls, stored, shared, seq) + limits)
+        room, slide, fill, cow_from = row_limits(self.policy, self.traits, self.caching,
+                                                 nulls + len(blocks), nulls, stored, shared)
+        self.rows[request_id] = _new(Row, (blocks, nulls, stored, shared, seq, room, slide, fill,
+                                           cow_from))
         self.changed = True
 
     def share(self, request_id: Any, row: Row, entries: Sequence[int]) -> Row:

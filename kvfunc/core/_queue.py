@@ -83,7 +83,7 @@ class RingCopy:
     def pop(self, n: int) -> list[int]:
         """The ``n`` ids at the head (the caller checked ``n <= count``)."""
         h = self.head
-        index, off = divmod(h, CHUNK)
+        index, off = h // CHUNK, h % CHUNK  # cheaper than ``divmod``'s call and tuple
         if off + n <= CHUNK:  # the common case: one chunk (``_chunk`` inlined)
             chunk: Any = self.dirty.get(index)
             if chunk is None:
