@@ -85,9 +85,7 @@ class RingCopy:
         h = self.head
         index, off = h // CHUNK, h % CHUNK  # cheaper than ``divmod``'s call and tuple
         if off + n <= CHUNK:  # the common case: one chunk (``_chunk`` inlined)
-            chunk: Any = self.dirty.get(index)
-            if chunk is None:
-                chunk = self.chunks[index]
+            chunk: Any = self.dirty.get(index) or self.chunks[index]  # a chunk is never empty
             out = list(chunk[off:off + n])
             h += n
         else:

@@ -175,12 +175,11 @@ def cow_positions(tr: Transient, i: int, row: Row, computed: int, total: int) ->
 def has_room(tr: Transient, plans: list[Plan], reserved: int) -> bool:
     """Whether every pool holds what the plans take from it, reservations kept (phase 2)."""
     if len(plans) == 1 and not reserved:  # one group
-        p = plans[0]
-        i, row, _, _, upto, _, need, cow, extra, _ = p
+        i, row, _, _, upto, _, need, cow, extra, _ = plans[0]
         need += extra + len(cow)
         if not need:
             return True
-        gain = _gain(tr, p) if upto > (row[1] if row is not None else 0) else 0
+        gain = _gain(tr, plans[0]) if upto > (row[1] if row is not None else 0) else 0
         free: int = tr.pools[tr.group_pool[i]].queue.count  # ``tr.free_count``, inlined
         return need <= free + gain
     want: dict[int, int] = {}
