@@ -133,10 +133,11 @@ class GroupCopy:
 
     def put(self, request_id: Any, row: Row) -> None:
         """Bind the request's row, with its quiet limits (``_policy.row_limits``)."""
-        blocks, nulls, stored, shared, seq = row[:5]
+        head = row[:5]
+        blocks, nulls, stored, shared, _ = head
         limits = row_limits(self.policy, self.traits, self.caching, nulls + len(blocks), nulls,
                             stored, shared)
-        self.rows[request_id] = _new(Row, (blocks, nulls, stored, shared, seq, *limits))
+        self.rows[request_id] = _new(Row, head + limits)
         self.changed = True
 
     def register(self, request_id: Any, seq: int) -> Row:
@@ -230,6 +231,30 @@ class GroupCopy:
             raise AssertionError("null entries only ever form a prefix of a table")
         return make_row(row.blocks + tuple(ids), row.nulls + nulls, row.stored, row.shared,
                           row.seq)
+
+    def extend(self, request_id: Any, row: Row, need: int) -> None:
+        """:meth:`grow` by ``need > 0`` blocks, then :meth:`put`: the common decode step.
+
+        The row is built once, with its quiet limits, instead of a
+        provisional row that ``put`` takes apart again.
+        """
+        ids = self.pool.take(need)
+        sink = self.sink
+        if sink is not None:
+            if need == 1:
+                sink.rows.append((self.key, request_id, ids[0]))
+                sink.codes.append("A")
+            else:
+                key = self.key
+                sink.rows.extend([(key, request_id, b) for b in ids])
+                sink.codes.append("A" * need)
+        blocks, nulls, stored, shared, seq = row[:5]
+        blocks += tuple(ids)
+        room, slide, fill, cow_from = row_limits(self.policy, self.traits, self.caching,
+                                                 nulls + len(blocks), nulls, stored, shared)
+        self.rows[request_id] = _new(Row, (blocks, nulls, stored, shared, seq, room, slide, fill,
+                                           cow_from))
+        self.changed = True
 
     def share(self, request_id: Any, row: Row, entries: Sequence[int]) -> Row:
         """Append ``entries`` by reference (0: a null entry, only as a prefix); records S / A.

@@ -191,11 +191,10 @@ def row_limits(policy: Policy, traits: tuple[int, bool, int, int | None], cachin
     (12, 11, 4611686018427387904, 0)
     """
     bs, grows, mode, window = traits
-    held_real = held - nulls
     if not grows or not held or mode == BY_METHOD:
         return -1, -1, -1, NEVER
     room = held * bs
-    slide = NEVER if mode == KEEPS_ALL or not held_real else (nulls + 1) * bs + window - 1  # type: ignore[operator]
+    slide = NEVER if mode == KEEPS_ALL or held == nulls else (nulls + 1) * bs + window - 1  # type: ignore[operator]
     if not caching:
         return room, slide, NEVER, 0
     done = stored if stored > nulls else nulls

@@ -175,12 +175,13 @@ def cow_positions(tr: Transient, i: int, row: Row, computed: int, total: int) ->
 def has_room(tr: Transient, plans: list[Plan], reserved: int) -> bool:
     """Whether every pool holds what the plans take from it, reservations kept (phase 2)."""
     if len(plans) == 1 and not reserved:  # one group
-        p = plans[0]
-        need = p.need + p.extra + len(p.cow)
+        i, row, _, _, upto, _, need, cow, extra, _ = plans[0]
+        need += extra + len(cow)
         if not need:
             return True
-        gain = _gain(tr, p) if p.upto > (p.row.nulls if p.row is not None else 0) else 0
-        return need <= tr.free_count(tr.group_pool[p.group]) + gain
+        gain = _gain(tr, plans[0]) if upto > (row[1] if row is not None else 0) else 0
+        free: int = tr.pools[tr.group_pool[i]].queue.count  # ``tr.free_count``, inlined
+        return need <= free + gain
     want: dict[int, int] = {}
     for p in plans:
         j = tr.group_pool[p.group]
@@ -282,13 +283,11 @@ def step(tr: Transient, request_id: Any, computed: int, written: int, total: int
         return True
     if not has_room(tr, plans, reserved):
         return False
-    if len(plans) == 1:
-        p = plans[0]
-        row = p.row
-        if (row is not None and p.upto <= row[1] and not (p.nulls or p.cow or p.store)
-                and p.need):  # the common decode step: it grows, nothing else
-            g = tr.copy(p.group)
-            g.put(request_id, g.grow(request_id, row, p.need))
+    if len(plans) == 1:  # one read of the plan's fields (a named field costs a lookup)
+        i, row, _, _, upto, nulls, need, cow, _, store = plans[0]
+        if (row is not None and upto <= row[1] and not (nulls or cow or store)
+                and need):  # the common decode step: it grows, nothing else
+            tr.copy(i).extend(request_id, row, need)
             return True
     if reserved:  # idle plans were there for their reservation only
         plans = [p for p in plans if p.row is None or p.upto > p.row.nulls or p.nulls
