@@ -58,7 +58,12 @@ from kvfunc.core._errors import (
     InvalidCacheInfo,
     InvalidTypeError,
 )
-from kvfunc.core._sizing import calculate_fixed_block_memory_bytes, check_memory, check_options
+from kvfunc.core._sizing import (
+    calculate_fixed_block_memory_bytes,
+    check_memory,
+    check_options,
+    min_across,
+)
 from kvfunc.core._sizing_config import SizingConfig
 from kvfunc.core._validate import FIXED_BLOCK_ATTN_TYPES, positive_field, validate_cache_info
 
@@ -311,15 +316,8 @@ def _online_num_blocks(config: SizingConfig, layout: SharedPageLayout, fixed: di
         msg = ("No HBM-backed cache entry remains for dynamic block sizing. "
                "Please use offline mode or keep at least one cache entry in HBM.")
         raise InsufficientMemoryError(msg)
-    num_blocks = int(available // page)
-    if min_across_ranks is not None:
-        # Every rank of a TP group must hand out the same ids: each takes the smallest pool.
-        synced = min_across_ranks(num_blocks)
-        if type(synced) is not int or not 0 <= synced <= num_blocks:
-            msg = (f"min_across_ranks({num_blocks}) must return an int in "
-                   f"[0, {num_blocks}], but returned {synced!r}")
-            raise InvalidArgumentError(msg)
-        num_blocks = synced
+    # Every rank of a TP group must hand out the same ids: each takes the smallest pool.
+    num_blocks = min_across(min_across_ranks, int(available // page))
     # As the seed: the null block stores nothing, and a prefill needs one slot past it.
     prefill = sum(-(-(config.max_prefill_tokens + 1) // g.block_size) for g in _paged(layout))
     required = 1 + sum(fixed.values()) + prefill

@@ -169,6 +169,22 @@ def check_memory(free: object, total: object, fn: str = "calculate_block_num"
     return free, total
 
 
+def min_across(min_across_ranks: Callable[[int], int] | None, local: int) -> int:
+    """The smallest of ``local`` over the ranks, checked (``local`` without a callback).
+
+    Ranks of one TP group may see different free memory at start-up; they
+    must all size alike, so each takes the smallest capacity.
+    """
+    if min_across_ranks is None:
+        return local
+    synced = min_across_ranks(local)
+    if type(synced) is not int or not 0 <= synced <= local:
+        msg = (f"min_across_ranks({local}) must return an int in [0, {local}], but returned "
+               f"{synced!r}")
+        raise InvalidArgumentError(msg)
+    return synced
+
+
 def check_options(fn: str, offline_max_len: object, extra: object) -> int:
     """A sizing function's ``offline_max_len`` checked; its extra reserved bytes."""
     if offline_max_len is not None:
@@ -220,16 +236,7 @@ def _online_block_num(config: SizingConfig, groups: _PagedGroups, fixed_bytes: i
         msg = ("No HBM-backed paged-attention cache entry remains for dynamic block sizing. "
                "Please use offline mode or keep at least one paged cache entry in HBM.")
         raise InsufficientMemoryError(msg)
-    max_tokens = int(available // groups.per_token_bytes)
-    if min_across_ranks is not None:
-        # Ranks of one TP group may see different free memory at start-up;
-        # they must all size alike, so each takes the smallest capacity.
-        synced = min_across_ranks(max_tokens)
-        if type(synced) is not int or not 0 <= synced <= max_tokens:
-            msg = (f"min_across_ranks({max_tokens}) must return an int in "
-                   f"[0, {max_tokens}], but returned {synced!r}")
-            raise InvalidArgumentError(msg)
-        max_tokens = synced
+    max_tokens = min_across(min_across_ranks, int(available // groups.per_token_bytes))
     # No + 1 here: the null block comes out of the budget.
     block_num = {key: max_tokens // bs for key, bs in groups.block_sizes.items()}
     # The null block stores nothing, so it does not count towards capacity.
