@@ -96,12 +96,13 @@ def slot_request(entry: Entry, next_n: int) -> tuple[str, int, int, int]:
     return entry.request_id, entry.num_cached, 1 + next_n, max(next_n - 1, 0)
 
 
-def pool_sizes(plan: list[Step], next_n: int) -> dict[str, int]:
-    """The smallest pools that serve the plan: its peak block use, plus the null block."""
+def pool_sizes(plan: list[Step], next_n: int, layout: str = "per-type") -> dict[str, int]:
+    """The smallest pools that serve the plan: its peak block use, plus the null block (with
+    ``layout="shared"`` every key names the one pool, so all give its size)."""
     big = 10_000
     info = TinyDecoder(CONFIG).cache_info()
     state = kf.KVState.from_cache_info(info, {"FullAttention": big, "SlidingWindow": big},
-                                       CONFIG.max_model_len)
+                                       CONFIG.max_model_len, layout=layout)
     peak = dict.fromkeys(state.manager_keys, 0)
     for step in plan:
         # Request by request: within a step one request may grow before the next recycles.

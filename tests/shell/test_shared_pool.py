@@ -50,8 +50,10 @@ from test_prefix_shell import (
 from test_reference_model import (
     CONFIG,
     NUM_DECODE_STEPS,
+    PureEngine,
     assert_close,
     make_plan,
+    pool_sizes,
     slot_request,
 )
 
@@ -60,23 +62,12 @@ KEYS = ("FullAttention", "SlidingWindow")
 
 def shared_pool_size(next_n: int) -> int:
     """The smallest shared pool that serves the decode plan: its peak use, plus the null block."""
-    big = 10_000
-    state = kf.KVState.from_cache_info(TinyDecoder(CONFIG).cache_info(),
-                                       dict.fromkeys(KEYS, big), CONFIG.max_model_len,
-                                       layout="shared")
-    peak = 0
-    for step in make_plan(next_n):
-        for request in (slot_request(e, next_n) for e in step.entries):
-            result = kf.allocate_slots(state, *request)
-            assert result.ok
-            state = result.state
-            peak = max(peak, big - 1 - kf.num_free_blocks(state, KEYS[0]))
-        for rid in step.freed:
-            state, _ = kf.free_request(state, rid)
-    return peak + 1
+    sizes = pool_sizes(make_plan(next_n), next_n, layout="shared")
+    assert len(set(sizes.values())) == 1  # one pool: every key reads its free count
+    return sizes[KEYS[0]]
 
 
-class SharedEngine:
+class SharedEngine(PureEngine):
     """One pool for both groups, overlaid tensors, tables from a BlockTableBuffer."""
 
     def __init__(self, model: TinyDecoder, num_blocks: int, layout: str = "shared") -> None:
@@ -86,16 +77,6 @@ class SharedEngine:
         self.state = kf.KVState.from_cache_info(info, dict.fromkeys(KEYS, num_blocks),
                                                 CONFIG.max_model_len, layout=layout)
         self.buffer = BlockTableBuffer.from_state(self.state, max_num_requests=8)
-
-    def allocate(self, requests: list[tuple[str, int, int, int]]) -> None:
-        result = kf.allocate_batch(self.state, requests)
-        assert () == result.refused
-        self.state = result.state
-        self.buffer.apply(result.delta)
-
-    def free(self, rid: str) -> None:
-        self.state, delta = kf.free_request(self.state, rid)
-        self.buffer.apply(delta)
 
     def poison_free_blocks(self) -> None:
         """NaN into the null block and every free block, through every view."""
