@@ -24,7 +24,7 @@ to ``in_flight`` tokens earlier than vLLM; shadow mode reports it).
 from __future__ import annotations
 
 import kvfunc as kf
-from kvfunc.core._policy import skip_mode, slid_out
+from kvfunc.core._policy import slid_out
 from kvfunc.core._rows import leading_nulls
 from kvfunc.vllm._layout import Layout
 
@@ -46,8 +46,7 @@ def entries(state: kf.KVState, layout: Layout, rid: str, processed: int, compute
         if not table:
             continue
         nulls = leading_nulls(table)
-        policy = group.policy
-        mode = skip_mode(policy)  # the core's one answer to "did a block slide out?"
+        policy, mode = group.policy, group.traits[2]  # the core's skip mode, kept per group
         at_processed = max(nulls, slid_out(policy, mode, processed, len(table)))
         if at_processed != max(nulls, slid_out(policy, mode, computed, len(table))):
             differ = True

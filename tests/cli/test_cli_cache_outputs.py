@@ -73,7 +73,7 @@ def test_a_bad_value_is_one_line(capsys: pytest.CaptureFixture[str], value: str)
     assert_one_line_exit_2(code, err, "--cache-outputs")
 
 
-def test_a_bad_config_value_is_a_typed_error() -> None:
-    """The library refuses an unknown way when the config is made."""
+def test_a_bad_config_value_is_refused() -> None:
+    """The library refuses an unknown way when the config is made (attrs: a ValueError)."""
     with pytest.raises(ValueError, match="cache_outputs"):
         SchedulerConfig(cache_outputs="eager")
