@@ -8,8 +8,6 @@ Writing a log or the output to a full disk is one line and exit 2 too.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import subprocess
 import sys
@@ -21,10 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfunc.cli import main
-
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_run import run_main  # the helper beside this file
+from cli_run import run_captured, run_main  # the helpers beside this file
 
 JSON_JUNK = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 70), 2 ** 70), st.floats(),
@@ -36,13 +32,7 @@ JSON_JUNK = st.recursive(
 
 def run(argv: list[str]) -> tuple[int, str, str]:
     """``kvfunc argv`` in-process, its output captured; (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()
+    return run_captured(*argv)
 
 
 def record(path: Path, *extra: str) -> list[Any]:
