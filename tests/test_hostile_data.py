@@ -17,7 +17,7 @@ import attrs
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from junk import junk, short
+from junk import IntSubclass, junk, short
 
 import kvfunc as kf
 from kvfunc.core._delta import COLUMN_NAMES
@@ -120,6 +120,18 @@ def test_a_bool_token_is_refused_like_a_bool_key() -> None:
     for call in (lambda: kf.BlockHashes.of([True, 2], 2),
                  lambda: kf.BlockHashes.of([1, 2], 2, extra_keys=[True])):
         assert isinstance(raises_typed(call), kf.InvalidTypeError)
+
+
+@pytest.mark.parametrize("tokens", [[0, IntSubclass(3)], [0, 1, 2, IntSubclass(3)],
+                                    [0, 1, IntSubclass(3)]],
+                         ids=["the one block", "a later block", "the partial block"])
+def test_an_int_subclass_token_is_refused_on_every_path(tokens: list[int]) -> None:
+    """An int subclass is refused whether its block is the only one (the decode fast path),
+    one of several, or the partial tail: no path hashes it as the int it claims to be."""
+    assert isinstance(raises_typed(lambda: kf.BlockHashes.of(tokens, 2)), kf.InvalidTypeError)
+    if len(tokens) % 2 == 0:  # update reads a partial block when it fills
+        start = kf.BlockHashes.of(tokens[:2] if len(tokens) > 3 else [], 2)
+        assert isinstance(raises_typed(lambda: start.update(tokens)), kf.InvalidTypeError)
 
 
 def test_a_value_rebuilt_from_its_fields_is_checked_and_equal() -> None:

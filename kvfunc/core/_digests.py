@@ -97,10 +97,19 @@ def _pack(token_ids: Sequence[int]) -> bytes:
         bad = next((t for t in token_ids if not _is_int64(t)), None)
         msg = f"token ids must be ints in the int64 range, got {excerpt(bad)}"
         raise InvalidTypeError(msg) from None
-    if bool in set(map(type, token_ids)):  # struct packs True as 1: refuse it, as keys do
-        msg = "token ids must be ints in the int64 range, got a bool"
+    if not only_ints(token_ids):  # struct packs True as 1, and any int subclass: refuse them
+        bad = next(t for t in token_ids if type(t) is not int)
+        msg = f"token ids must be ints in the int64 range, got {excerpt(bad)}"
         raise InvalidTypeError(msg)
     return data
+
+
+_INT = frozenset((int,))
+
+
+def only_ints(token_ids: Sequence[int]) -> bool:
+    """Whether every token is an ``int`` itself (no bool, no subclass whose value could lie)."""
+    return set(map(type, token_ids)) <= _INT
 
 
 def _token_list(token_ids: object) -> Sequence[int]:

@@ -65,6 +65,7 @@ from kvfunc.core._digests import (
     _packer,
     _token_list,
     hash_function,
+    only_ints,
 )
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 
@@ -270,8 +271,8 @@ class BlockHashes:
             except struct.error:
                 _pack(fresh)  # raises the precise error
                 raise
-            if bool in set(map(type, fresh)):
-                _pack(fresh)  # refuses the bool
+            if not only_ints(fresh):
+                _pack(fresh)  # refuses the bool or int subclass
         else:
             out = _chain(hash_fn, ctor, parent, _pack(fresh), 8 * bs)
         digests, tokens = self._digests, self._tokens
