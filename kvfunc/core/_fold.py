@@ -19,7 +19,10 @@ block it holds alone, nothing slides out of its window, no block completes.
 Each row carries its *quiet limits* (``_rows``), computed by the policy when
 the row was stored (:func:`~kvfunc.core._policy.row_limits`), so the fold
 recognises such an entry from four comparisons per group and skips the step:
-the lane.  It decides nothing of its own; ``tests/test_lane.py`` runs random
+the lane.  An entry whose only work is growing tables (its tokens passed the
+blocks they hold, nothing else moved) goes
+straight to :func:`~kvfunc.core._step.grow_only`.  The lane decides nothing
+of its own; ``tests/test_lane.py`` runs random
 programs with and without it and compares every state and delta, and
 ``bench_core.py`` measures what it earns.
 """
@@ -33,7 +36,7 @@ from kvfunc.core._checks import check_count, check_manager_keys, check_request_i
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 from kvfunc.core._hashing import BlockHashes
 from kvfunc.core._prefix import PrefixHit
-from kvfunc.core._step import step
+from kvfunc.core._step import grow_only, step
 from kvfunc.core._transient import Transient
 
 __all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "slot_entry"]
@@ -224,17 +227,27 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
         total = written + la
         if total > limit or written > limit:
             computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
-        if lane:  # quiet in every group: the rows' limits say so (see ``_rows``)
+        if lane:  # quiet in every group, or growing in one: the rows' limits say so
+            grows = None
             for view in views:
                 try:
                     row = view.rows[rid]  # a subscript costs half a ``get`` here
                 except KeyError:
                     break  # not registered in this group
-                if (not row[8] <= computed < row[6] or total > row[5]
+                if (not row[8] <= computed < row[6]
                         or (written >= row[7] and hashes is not None
                             and hashes.num_tokens >= row[7])):
                     break
+                if total > row[5]:  # past the blocks it holds
+                    if grows is None:
+                        grows = [(view, row)]
+                    else:
+                        grows.append((view, row))
             else:
+                if grows is None:
+                    continue
+                if not grow_only(tr, rid, grows, total):
+                    refused.append(rid)
                 continue
         if not step(tr, rid, computed, written, total, 0, None, hashes, None):
             refused.append(rid)

@@ -38,7 +38,7 @@ from kvfunc.core._pool import cache_key
 from kvfunc.core._rows import Row, leading_nulls
 from kvfunc.core._transient import Transient
 
-__all__ = ["Plan", "apply_plans", "has_room", "plan_group", "step"]
+__all__ = ["Plan", "apply_plans", "grow_only", "has_room", "plan_group", "step"]
 
 _new = tuple.__new__
 
@@ -253,6 +253,41 @@ def cache_step(g: GroupCopy, request_id: Any, row: Row, computed: int, written: 
     elif g.pool.count:
         g.save_state(request_id, row, computed // hashes.block_size - 1, hashes)
     return row
+
+
+def grow_only(tr: Transient, request_id: Any, grows: list[tuple[Any, Row]], total: int) -> bool:
+    """The step of an entry whose only work is growing some groups' tables to ``total`` tokens.
+
+    The fold's lane calls it with the ``(group, row)`` pairs whose rows'
+    quiet limits hold but for room, every other group quiet: nothing slides
+    out, nothing is copied, nothing completes for the cache.  The general
+    step's plans would be these grows, and its room check the sum of their
+    needs per pool (:func:`has_room`).  False (``tr`` untouched) when a pool
+    lacks the blocks.
+    """
+    views = tr.views
+    if len(grows) == 1:  # one plan, one pool: its free count is the room check
+        view, row = grows[0]
+        i = 0
+        while views[i] is not view:
+            i += 1
+        need = blocks_needed(view.policy, True, row[1] + len(row[0]), total)[1]
+        if need > tr.pools[tr.group_pool[i]].queue.count:
+            return False
+        tr.copy(i).extend(request_id, row, need)
+        return True
+    plans = []
+    for view, row in grows:
+        i = 0
+        while views[i] is not view:
+            i += 1
+        need = blocks_needed(view.policy, True, row[1] + len(row[0]), total)[1]
+        plans.append(_new(Plan, (i, row, None, 0, 0, 0, need, (), 0, False)))
+    if not has_room(tr, plans, 0):
+        return False
+    for p in plans:
+        tr.copy(p.group).extend(request_id, p.row, p.need)  # type: ignore[arg-type]
+    return True
 
 
 def step(tr: Transient, request_id: Any, computed: int, written: int, total: int,
