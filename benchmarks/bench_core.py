@@ -546,7 +546,7 @@ def measure_memory(groups: Groups, fill: Sequence[Alloc], steps: Sequence[Step],
 def _attribute(states: Sequence[kf.KVState]) -> dict[str, int]:
     """Bytes of the distinct row records and block-id tuples reachable from ``states``."""
     rows = {id(r): r for s in states for g in s.groups for r in g.rows.values()}
-    blocks = {id(r.blocks): r.blocks for r in rows.values()}
+    blocks = {id(r.ids): r.ids for r in rows.values()}
     return {"rows": sum(sys.getsizeof(r) for r in rows.values()),
             "id_lists": sum(sys.getsizeof(ids) for ids in blocks.values())}
 

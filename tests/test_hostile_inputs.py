@@ -194,16 +194,22 @@ def test_the_issues_cases_are_one_typed_error_on_every_path(caching: bool, layou
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_quiet_entry_takes_the_lane_and_the_others_the_step(
         caching: bool, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The entries the attacks use: QUIET never reaches the step (so the lane is attacked)."""
+    """The entries the attacks use: QUIET never reaches the step (so the lane is attacked);
+    GROW reaches the step or the lane's lean grow once, NEW the step."""
     _, s, _ = world(caching, layout)
     steps: list[Any] = []
-    real = fold_module.step
+    real, real_grow = fold_module.step, fold_module.grow_only
 
     def counting(*args: Any) -> bool:
         steps.append(args[1])
         return real(*args)
 
+    def counting_grow(*args: Any) -> bool:
+        steps.append(args[1])
+        return real_grow(*args)
+
     monkeypatch.setattr(fold_module, "step", counting)
+    monkeypatch.setattr(fold_module, "grow_only", counting_grow)
     served = ("allocate_slots", "SlotRequest", "8-tuple", "3-tuple, batch lookahead and mapping")
     for base, stepped in ((QUIET, []), (GROW, ["a"]), (NEW, ["n"])):
         calls = forms(s, entry_fields(base, caching, "request_id", base[0]), caching)

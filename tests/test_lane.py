@@ -130,3 +130,22 @@ def test_row_limits_stand_for_the_policy_answers(data: st.DataObject) -> None:
         assert (upto > nulls) == (computed >= slide), (computed, slide, upto, nulls)
     for total in range(0, room + bs + 1):
         assert (blocks_needed(policy, True, held, total) != (0, 0)) == (total > room)
+
+
+def test_a_request_twice_in_one_batch_is_served_from_its_row_as_the_first_entry_left_it() -> None:
+    """A batch that names a request twice, on a state whose working copy is fresh (an older
+    state of its lineage): the second entry reads the row the first one grew, lane or not, and
+    equals two calls of allocate_slots."""
+    groups = {"full": kf.FullAttention(num_blocks=64, block_size=4),
+              "swa": kf.SlidingWindow(num_blocks=64, block_size=4, sliding_window=6)}
+    base = kf.KVState.create(groups, max_model_len=256)
+    old = kf.allocate_slots(base, "r", 0, 4).state
+    kf.allocate_slots(old, "r", 4, 1)  # the lineage goes on: ``old`` is no longer its newest
+    batch = [("q", 0, 3), ("r", 4, 4), ("r", 8, 1), ("q", 3, 6)]
+    want = old
+    for rid, done, new in batch:
+        want = kf.allocate_slots(want, rid, done, new).state
+    for on in (True, False):
+        with lane(on):
+            got = kf.allocate_batch(old, batch).state
+        assert got == want and state_snapshot(got) == state_snapshot(want)

@@ -195,7 +195,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
     if block_hashes and not tr.caching:
         check_hashes(tr, None, False)  # raises: hashes need a caching state
     mapping, refused = block_hashes if tr.caching else None, []
-    limit, views, lane = tr.max_model_len, tr.views, LANE
+    limit, lane = tr.max_model_len, LANE
     la_plain = lookahead >= 0  # then every plain 3-tuple's count is non-negative
     for e in entries:
         te = type(e)
@@ -229,7 +229,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
             computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
         if lane:  # quiet in every group, or growing in one: the rows' limits say so
             grows = None
-            for view in views:
+            for view in tr.views:  # the working copies once written: rows as of now
                 try:
                     row = view.rows[rid]  # a subscript costs half a ``get`` here
                 except KeyError:

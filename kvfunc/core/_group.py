@@ -24,7 +24,16 @@ import immutables
 from kvfunc.core._delta import COPY_SAVED, DeltaBuilder
 from kvfunc.core._policy import KEEPS_ALL, Policy, row_limits, skip_mode
 from kvfunc.core._pool import PoolCopy, cache_key
-from kvfunc.core._rows import Row, TablesView, leading_nulls, make_row, row_table
+from kvfunc.core._rows import (
+    ASK,
+    Row,
+    TablesView,
+    append_ids,
+    leading_nulls,
+    make_row,
+    remade,
+    row_table,
+)
 
 __all__ = ["GroupCopy", "GroupState"]
 
@@ -133,11 +142,12 @@ class GroupCopy:
 
     def put(self, request_id: Any, row: Row) -> None:
         """Bind the request's row, with its quiet limits (``_policy.row_limits``)."""
-        head = row[:5]
-        blocks, nulls, stored, shared, _ = head
-        limits = row_limits(self.policy, self.traits, self.caching, nulls + len(blocks), nulls,
-                            stored, shared)
-        self.rows[request_id] = _new(Row, head + limits)
+        ids, nulls, stored, shared, seq = row[:5]
+        length = row[9]
+        room, slide, fill, cow_from = row_limits(self.policy, self.traits, self.caching, length,
+                                                 nulls, stored, shared)
+        self.rows[request_id] = _new(Row, (ids, nulls, stored, shared, seq, room, slide, fill,
+                                           cow_from, length))
         self.changed = True
 
     def register(self, request_id: Any, seq: int) -> Row:
@@ -185,7 +195,7 @@ class GroupCopy:
             if block in row.blocks:
                 pos = row.nulls + row.blocks.index(block)
                 if row.stored > pos:
-                    self.put(rid, make_row(row.blocks, row.nulls, pos, row.shared, row.seq))
+                    self.put(rid, remade(row, row.nulls, pos, row.shared))
 
     def release_order(self, row: Row) -> Sequence[int]:
         """A released row's blocks in the order they are released (see :meth:`release`)."""
@@ -200,18 +210,16 @@ class GroupCopy:
             key = self.key
             sink.rows.extend([(key, request_id, p) for p in range(lo, upto)])
             sink.codes.append("N" * k)
-        blocks = row.blocks
-        new = make_row(blocks[k:], upto, row.stored, row.shared, row.seq)
-        self.pool.release(blocks[k - 1::-1], self.key)
+        new = remade(row, upto, row.stored, row.shared)
+        self.pool.release(row.ids[lo:upto][::-1], self.key)
         return new
 
     def reclaimable(self, row: Row, upto: int) -> int:
         """Blocks that recycling positions ``row.nulls .. upto - 1`` returns to the pool."""
-        k = upto - row.nulls
         if not self.pool.linked:
-            return k
+            return upto - row.nulls
         refs = self.pool.refs
-        return sum(1 for b in row.blocks[:k] if refs[b] == 1)
+        return sum(1 for b in row.ids[row.nulls:upto] if refs[b] == 1)
 
     def grow(self, request_id: Any, row: Row, need: int, nulls: int = 0) -> Row:
         """Append ``nulls`` null entries, then ``need`` blocks taken from the pool; records A."""
@@ -227,10 +235,12 @@ class GroupCopy:
                 rows.extend([(key, request_id, b) for b in ids])
                 sink.rows.extend(rows)
                 sink.codes.append("A" * len(rows))
-        if nulls and row.blocks:
+        length = row.length
+        if nulls and length > row.nulls:
             raise AssertionError("null entries only ever form a prefix of a table")
-        return make_row(row.blocks + tuple(ids), row.nulls + nulls, row.stored, row.shared,
-                          row.seq)
+        entries = [0] * nulls + ids if nulls else ids
+        return _new(Row, (append_ids(row.ids, length, entries), row.nulls + nulls, row.stored,
+                          row.shared, row.seq, *ASK, length + len(entries)))
 
     def extend(self, request_id: Any, row: Row, need: int) -> None:
         """:meth:`grow` by ``need > 0`` blocks, then :meth:`put`: the common decode step.
@@ -248,12 +258,19 @@ class GroupCopy:
                 key = self.key
                 sink.rows.extend([(key, request_id, b) for b in ids])
                 sink.codes.append("A" * need)
-        blocks, nulls, stored, shared, seq = row[:5]
-        blocks += tuple(ids)
-        room, slide, fill, cow_from = row_limits(self.policy, self.traits, self.caching,
-                                                 nulls + len(blocks), nulls, stored, shared)
-        self.rows[request_id] = _new(Row, (blocks, nulls, stored, shared, seq, room, slide, fill,
-                                           cow_from))
+        held, nulls, stored, shared, seq = row[:5]
+        length = row[9]
+        if len(held) == length:  # ``append_ids``, inlined for the common decode step
+            held.extend(ids)
+            if held[length:] != ids:
+                held = append_ids(held, length, ids)
+        else:
+            held = append_ids(held, length, ids)
+        length += need
+        room, slide, fill, cow_from = row_limits(self.policy, self.traits, self.caching, length,
+                                                 nulls, stored, shared)
+        self.rows[request_id] = _new(Row, (held, nulls, stored, shared, seq, room, slide, fill,
+                                           cow_from, length))
         self.changed = True
 
     def share(self, request_id: Any, row: Row, entries: Sequence[int]) -> Row:
@@ -278,23 +295,24 @@ class GroupCopy:
             elif sink is not None:
                 sink.rows.append((key, request_id, 0))
                 sink.codes.append("A")
-        real = tuple(entries[lead:])
         length = n + len(entries)
-        return make_row(row.blocks + real, row.nulls + lead, stored, length, row.seq)
+        return _new(Row, (append_ids(row.ids, n, list(entries)), row.nulls + lead, stored, length,
+                          row.seq, *ASK, length))
 
     def copy_on_write(self, request_id: Any, row: Row, position: int) -> Row:
         """Give the request its own copy of the shared block at ``position``; records C."""
-        i = position - row.nulls
-        src = row.blocks[i]
+        src = row.ids[position]
         (dst,) = self.pool.take(1)
         sink = self.sink
         if sink is not None:
             sink.rows.append((self.key, request_id, position, src, dst))
             sink.codes.append("C")
         self.pool.release((src,), self.key)
-        blocks = row.blocks[:i] + (dst,) + row.blocks[i + 1:]
+        ids = row.ids[:row.length]  # the lineage's list is never written below its end
+        ids[position] = dst
         stored = min(row.stored, position)  # the copy holds nothing cached yet
-        return make_row(blocks, row.nulls, stored, row.shared, row.seq)
+        return _new(Row, (ids, row.nulls, stored, row.shared, row.seq, *ASK,
+                          row.length))
 
     # -- the hash store -------------------------------------------------------------------
     def lookup(self, digest: bytes) -> int | None:
@@ -313,12 +331,12 @@ class GroupCopy:
         m = bs // hashes.block_size
         digests, hash_of = hashes._digests, pool.hash_of
         positions = range(p, upto)
-        run = row.blocks[p - nulls:upto - nulls]
+        run = row.ids[p:upto]
         hs = digests[p:upto] if m == 1 else digests[(p + 1) * m - 1:upto * m:m]
         if any(hash_of[b] is not None for b in run):  # shared blocks, cached already
             keep = [i for i, b in enumerate(run) if hash_of[b] is None]
             positions = [positions[i] for i in keep]  # type: ignore[assignment]
-            run, hs = tuple(run[i] for i in keep), [hs[i] for i in keep]
+            run, hs = [run[i] for i in keep], [hs[i] for i in keep]
         pool.store_run(run, hs if tag is None else [h + tag for h in hs])
         sink = self.sink
         if sink is not None and run:
@@ -329,8 +347,7 @@ class GroupCopy:
                  toks[(q - first) * bs:(q - first + 1) * bs])
                 for q, b, h in zip(positions, run, hs, strict=True)])
             sink.codes.append("T" * len(run))
-        return make_row(row.blocks, nulls, upto, row.shared if row.shared > upto else upto,
-                        row.seq)
+        return remade(row, nulls, upto, row.shared if row.shared > upto else upto)
 
     def save_state(self, request_id: Any, row: Row, index: int, hashes: Any) -> None:
         """Copy the request's state into a free block cached under hash ``index`` (once)."""
@@ -341,7 +358,7 @@ class GroupCopy:
         (dst,) = pool.take(1)
         sink = self.sink
         if sink is not None:
-            sink.rows.append((self.key, request_id, COPY_SAVED, row.blocks[0], dst))
+            sink.rows.append((self.key, request_id, COPY_SAVED, row.ids[row.nulls], dst))
             sink.codes.append("C")
         pool.store(dst, cache_key(h, self.tag))
         if sink is not None:
@@ -354,7 +371,7 @@ class GroupCopy:
         """Reset every row's ``stored`` counter (after the pool forgot what it cached)."""
         for rid, row in self.items():
             if row.stored:
-                self.put(rid, make_row(row.blocks, row.nulls, 0, row.shared, row.seq))
+                self.put(rid, remade(row, row.nulls, 0, row.shared))
 
     # -- freezing -------------------------------------------------------------------------
     def freeze(self, pool: int) -> GroupState:

@@ -73,6 +73,8 @@ def _check_pool(pool: PoolState, groups: list[GroupState]) -> None:
 
 def _check_row(g: GroupState, row: Any) -> None:
     assert row.nulls >= 0, f"{g.key}: a row's null count {row.nulls}"
+    assert type(row.ids) is list and row.nulls <= row.length <= len(row.ids), (
+        f"{g.key}: a row's length {row.length} does not fit its list")
     assert NULL_BLOCK not in row.blocks, f"{g.key}: a null entry after a real one"
     assert g.traits[2] != KEEPS_ALL or not row.nulls, (
         f"{g.key}: a null entry where every token is kept")
@@ -108,10 +110,10 @@ def _check_cache(pool: PoolState, groups: list[GroupState]) -> None:
     assert indexed == cached, f"{pool.name}: the hash index and the cached blocks differ"
     for g in groups:
         for row in g.rows.values():
-            nulls, blocks = row.nulls, row.blocks
+            nulls, ids = row.nulls, row.ids
             done = min(max(row.stored, nulls), row.length)
-            assert all(hash_of[blocks[p - nulls]] is not None for p in range(nulls, done)), (
+            assert all(hash_of[ids[p]] is not None for p in range(nulls, done)), (
                 f"{g.key}: a row's stored counter covers an uncached block")
-            assert all(pool.refs[blocks[p - nulls]] <= 1  # type: ignore[index]
+            assert all(pool.refs[ids[p]] <= 1  # type: ignore[index]
                        for p in range(max(row.shared, nulls), row.length)), (
                 f"{g.key}: a row's shared counter misses a shared block")

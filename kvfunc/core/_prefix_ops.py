@@ -10,7 +10,7 @@ from kvfunc.core._checks import check_request_id, excerpt
 from kvfunc.core._delta import BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidArgumentError, UnknownRequestError
 from kvfunc.core._prefix import require_caching
-from kvfunc.core._rows import make_row, row_table
+from kvfunc.core._rows import remade, row_table
 from kvfunc.core._state import KVState, RequestId, check_state, find_group
 from kvfunc.core._transient import Transient
 
@@ -62,7 +62,7 @@ def fork_request(state: KVState, parent: RequestId, child: RequestId
         if row is None:
             continue
         g = tr.copy(i)
-        g.put(parent, make_row(row.blocks, row.nulls, row.stored, row.length, row.seq))
+        g.put(parent, remade(row, row.nulls, row.stored, row.length))
         g.put(child, g.share(child, g.register(child, seq), row_table(row)))
     return tr.freeze(), sink.build()
 

@@ -40,7 +40,7 @@ from kvfunc.core._ops import (
     Stored,
 )
 from kvfunc.core._pool import cache_key
-from kvfunc.core._rows import Row, make_row
+from kvfunc.core._rows import NULL, Row, appended, make_row, remade
 from kvfunc.core._state import KVState, check_state
 from kvfunc.core._transient import Transient
 
@@ -214,13 +214,12 @@ def _released(g: GroupCopy, op: Any, pending: list[int]) -> None:
 
 def _nulled(g: GroupCopy, op: Any, pending: list[int]) -> None:
     row = _row(g, op.request_id)
-    if op.position != row.nulls or not row.blocks:
+    if op.position != row.nulls or row.length == row.nulls:
         _fail(f"position {excerpt(op.position)} does not extend the null prefix {row.nulls}")
     if g.keeps_every_token:
         _fail(f"{g.key!r} keeps every token: nothing slides out")
-    g.put(op.request_id, make_row(row.blocks[1:], row.nulls + 1, row.stored, row.shared,
-                                    row.seq))
-    _drop_holder(g, row.blocks[0], pending)
+    g.put(op.request_id, remade(row, row.nulls + 1, row.stored, row.shared))
+    _drop_holder(g, row.ids[row.nulls], pending)
 
 
 def _freed_run(tr: Transient, run: list[Any], pending: dict[str, list[int]]) -> None:
@@ -246,14 +245,13 @@ def _appended(g: GroupCopy, op: Any, pending: list[int]) -> None:
     if op.block_id == 0:
         if g.keeps_every_token:
             _fail(f"a null entry in {g.key!r}, whose policy keeps every token")
-        if row.blocks:
+        if row.length > row.nulls:
             _fail("a null entry after a real one")
-        g.put(op.request_id, make_row((), row.nulls + 1, row.stored, row.shared, row.seq))
+        g.put(op.request_id, appended(row, NULL))
         return
     b = _block(g, op.block_id)
     _take(g, b)
-    g.put(op.request_id, make_row(row.blocks + (b,), row.nulls, row.stored, row.shared,
-                                    row.seq))
+    g.put(op.request_id, appended(row, b))
 
 
 def _shared(g: GroupCopy, op: Any, pending: list[int]) -> None:
@@ -269,7 +267,7 @@ def _shared(g: GroupCopy, op: Any, pending: list[int]) -> None:
             if b in other.blocks:
                 pos = other.nulls + other.blocks.index(b) + 1
                 if other.shared < pos:
-                    g.put(rid, make_row(other.blocks, other.nulls, other.stored, pos, other.seq))
+                    g.put(rid, remade(other, other.nulls, other.stored, pos))
         row = g.row(op.request_id) or row
     g.put(op.request_id, g.share(op.request_id, row, (b,)))
 
@@ -280,20 +278,20 @@ def _copied(g: GroupCopy, op: Any, pending: list[int]) -> None:
     row = _row(g, op.request_id)
     src, dst, pos = _block(g, op.src_block_id), _block(g, op.dst_block_id), op.position
     if pos == COPY_INTO_NEW:
-        if not row.blocks or row.blocks[0] != dst:
+        if row.length == row.nulls or row.ids[row.nulls] != dst:
             _fail(f"block {dst} is not the request's new block")
         return
     if type(pos) is not int or not (pos == COPY_SAVED or row.nulls <= pos < row.length):
         _fail(f"position {excerpt(pos)} is not in the request's table")
-    if pos >= 0 and row.blocks[pos - row.nulls] != src:
-        _fail(f"position {pos} holds block {row.blocks[pos - row.nulls]}, not {src}")
+    if pos >= 0 and row.ids[pos] != src:
+        _fail(f"position {pos} holds block {row.ids[pos]}, not {src}")
     _take(g, dst)
     if pos == COPY_SAVED:
         return  # held by nobody once its Stored row caches it
-    i = pos - row.nulls
-    blocks = row.blocks[:i] + (dst,) + row.blocks[i + 1:]
-    g.put(op.request_id, make_row(blocks, row.nulls, min(row.stored, pos), row.shared,
-                                    row.seq))
+    ids = row.ids[:row.length]
+    ids[pos] = dst
+    g.put(op.request_id, make_row(ids[row.nulls:], row.nulls, min(row.stored, pos), row.shared,
+                                  row.seq))
     _drop_holder(g, src, pending)
 
 
@@ -315,14 +313,13 @@ def _stored(g: GroupCopy, op: Any, pending: list[int]) -> None:
     row = _row(g, op.request_id)
     pos = op.position
     if (type(pos) is not int or not row.nulls <= pos < row.length
-            or row.blocks[pos - row.nulls] != b):
+            or row.ids[pos] != b):
         _fail(f"block {b} is not at position {excerpt(pos)} of the request's table")
-    if any(pool.hash_of[row.blocks[q - row.nulls]] is None
+    if any(pool.hash_of[row.ids[q]] is None
            for q in range(max(row.stored, row.nulls), pos)):
         _fail("a block before it is not cached")
     pool.store(b, key)
-    g.put(op.request_id, make_row(row.blocks, row.nulls, pos + 1, max(row.shared, pos + 1),
-                                    row.seq))
+    g.put(op.request_id, remade(row, row.nulls, pos + 1, max(row.shared, pos + 1)))
 
 
 def _stored_tokens(g: GroupCopy, op: Any) -> None:

@@ -3,11 +3,21 @@
 Theory of operation
 -------------------
 A group keeps one :class:`Row` per registered request in a persistent map
-(``immutables.Map``, request id -> row).  A row's table is ``nulls`` null
-entries (block 0: a sliding window's dead head; null entries only ever form
-a prefix) followed by ``blocks``, the real block ids in logical order::
+(``immutables.Map``, request id -> row).  A row's table is its first
+``length`` entries: ``nulls`` null entries (block 0: a sliding window's
+dead head; null entries only ever form a prefix) followed by the real block
+ids in logical order (``blocks``)::
 
     table   [0, 0, 7, 9, 4]      nulls = 2, blocks = (7, 9, 4), length 5
+
+The entries live in ``ids``, a list that the rows of one request's lineage
+share: a row reads ``ids[nulls:length]`` and nothing past ``length``.  A
+table that grows appends to the list in place when nobody appended past its
+``length`` before (:func:`append_ids`), else it copies the first ``length``
+entries, so growing a table costs its new entries, not the table, and every
+state kept along the way shares one list.  No entry below a list's end is
+ever written again: recycling positions only raises ``nulls`` (what the list
+still holds there is never read), and a copy-on-write copies the list.
 
 Two counters serve prefix caching (both 0 without it) so that the common
 decode step reads no per-block vector:
@@ -35,7 +45,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["ASK", "NULL", "Row", "TablesView", "leading_nulls", "make_row", "row_table"]
+__all__ = ["ASK", "NULL", "Row", "TablesView", "append_ids", "appended", "leading_nulls",
+           "make_row", "remade", "row_table"]
 
 NULL = 0
 
@@ -43,7 +54,7 @@ NULL = 0
 class Row(NamedTuple):
     """One request's block table in one group (see the module docstring)."""
 
-    blocks: tuple[int, ...]
+    ids: list[int]
     nulls: int
     stored: int
     shared: int
@@ -52,11 +63,12 @@ class Row(NamedTuple):
     slide: int = -1
     fill: int = -1
     cow_from: int = 1 << 62
+    length: int = 0
 
     @property
-    def length(self) -> int:
-        """Table entries, null ones included."""
-        return self.nulls + len(self.blocks)
+    def blocks(self) -> tuple[int, ...]:
+        """The real block ids in logical order (a tuple built on access)."""
+        return tuple(self.ids[self.nulls:self.length])
 
 
 #: The quiet limits of a row not stored yet: every step asks the policy.
@@ -64,13 +76,64 @@ ASK = (-1, -1, -1, 1 << 62)
 _new = tuple.__new__
 
 
-def make_row(blocks: tuple[int, ...], nulls: int, stored: int, shared: int, seq: int) -> Row:
-    """A row whose quiet limits are not known yet (:data:`ASK`).
+def make_row(blocks: Sequence[int], nulls: int, stored: int, shared: int, seq: int) -> Row:
+    """A row of ``nulls`` null entries then ``blocks``, in a list of its own, limits :data:`ASK`.
 
-    >>> make_row((4,), 0, 0, 0, 7).room
-    -1
+    >>> row = make_row((4,), 1, 0, 0, 7)
+    >>> row.blocks, row.length, row.room
+    ((4,), 2, -1)
     """
-    return _new(Row, (blocks, nulls, stored, shared, seq, *ASK))
+    ids = [NULL] * nulls
+    ids.extend(blocks)
+    return _new(Row, (ids, nulls, stored, shared, seq, *ASK, len(ids)))
+
+
+def remade(row: Row, nulls: int, stored: int, shared: int) -> Row:
+    """``row``'s table with other counters (its list shared), limits :data:`ASK`.
+
+    ``nulls`` may only rise within the table (positions recycled).
+
+    >>> row = make_row((4, 5), 0, 0, 0, 7)
+    >>> new = remade(row, 1, 0, 2)
+    >>> new.blocks, new.ids is row.ids, new.length
+    ((5,), True, 2)
+    """
+    return _new(Row, (row[0], nulls, stored, shared, row[4], *ASK, row[9]))
+
+
+def append_ids(ids: list[int], length: int, new: list[int]) -> list[int]:
+    """A list holding ``ids[:length] + new``: ``ids`` itself when nobody appended past ``length``.
+
+    Appending in place is safe because a row reads only its first
+    ``length`` entries.  Two transitions from one state may race to append
+    (threads): whoever's entries land first keeps the list, the other
+    copies, checked after the append, which a list does atomically.
+
+    >>> ids = [3, 4]
+    >>> grown = append_ids(ids, 2, [5])
+    >>> grown is ids, append_ids(ids, 2, [6]), ids
+    (True, [3, 4, 6], [3, 4, 5])
+    """
+    if len(ids) == length:
+        ids.extend(new)
+        if ids[length:length + len(new)] == new:
+            return ids
+    out = ids[:length]
+    out.extend(new)
+    return out
+
+
+def appended(row: Row, entry: int) -> Row:
+    """``row`` with one more entry (a null entry, :data:`NULL`, raises ``nulls``), limits ASK.
+
+    >>> row = appended(appended(make_row((), 0, 0, 0, 1), NULL), 6)
+    >>> row_table(row), row.nulls
+    ((0, 6), 1)
+    """
+    length = row[9]
+    nulls = row[1] + 1 if entry == NULL else row[1]
+    return _new(Row, (append_ids(row[0], length, [entry]), nulls, row[2], row[3], row[4], *ASK,
+                      length + 1))
 
 
 def row_table(row: Row) -> tuple[int, ...]:
@@ -79,7 +142,9 @@ def row_table(row: Row) -> tuple[int, ...]:
     >>> row_table(make_row((8, 9), 1, 0, 0, 0))
     (0, 8, 9)
     """
-    return (NULL,) * row.nulls + row.blocks if row.nulls else row.blocks
+    nulls = row.nulls
+    table = tuple(row.ids[nulls:row.length])
+    return (NULL,) * nulls + table if nulls else table
 
 
 def leading_nulls(entries: Sequence[int]) -> int:

@@ -83,8 +83,7 @@ def plan_group(tr: Transient, i: int, g: Any, row: Row | None, computed: int, wr
     """
     _, grows, mode, _ = g.traits
     if row is not None and hit is None:
-        nulls = row[1]
-        held = nulls + len(row[0])
+        nulls, held = row[1], row[9]
         upto = slid_out(g.policy, mode, computed, held) if mode else 0
         add_nulls, need = blocks_needed(g.policy, grows, held, total, tr.caching)
         cow: tuple[int, ...] = ()
@@ -118,8 +117,7 @@ def _plan_new(tr: Transient, i: int, g: Any, row: Row | None, computed: int, wri
     if entries is not None:
         held, nulls = len(entries), leading_nulls(entries)
     elif row is not None:
-        nulls = row[1]
-        held = nulls + len(row[0])
+        nulls, held = row[1], row[9]
     else:
         held = nulls = 0
     upto = slid_out(g.policy, mode, computed, held) if mode else 0
@@ -163,13 +161,12 @@ def cow_positions(tr: Transient, i: int, row: Row, computed: int, total: int) ->
     """Positions the step writes whose block someone else holds too (only below ``row.shared``)."""
     g = tr.views[i]
     bs, grows = g.traits[0], g.traits[1]
-    refs, blocks, nulls = tr.pools[tr.group_pool[i]].refs, row.blocks, row.nulls
-    length = nulls + len(blocks)
+    refs, ids, nulls, length = tr.pools[tr.group_pool[i]].refs, row.ids, row.nulls, row.length
     if grows:
         first, last = max(computed // bs, nulls), min(length, -(-total // bs), row.shared)
     else:
         first, last = nulls, min(length, row.shared)
-    return tuple(p for p in range(first, last) if refs[blocks[p - nulls]] > 1)
+    return tuple(p for p in range(first, last) if refs[ids[p]] > 1)
 
 
 def has_room(tr: Transient, plans: list[Plan], reserved: int) -> bool:
@@ -199,12 +196,11 @@ def _gain(tr: Transient, p: Plan) -> int:
     """Blocks that the plan's recycling returns to its pool."""
     row = p.row
     assert row is not None
-    k = p.upto - row.nulls
     pool = tr.pools[tr.group_pool[p.group]]
     if pool.refs is None:
-        return k
+        return p.upto - row.nulls
     refs = pool.refs
-    return sum(1 for b in row.blocks[:k] if refs[b] == 1)
+    return sum(1 for b in row.ids[row.nulls:p.upto] if refs[b] == 1)
 
 
 def apply_plans(tr: Transient, request_id: Any, plans: list[Plan]) -> list[Row]:
@@ -234,7 +230,7 @@ def apply_plans(tr: Transient, request_id: Any, plans: list[Plan]) -> list[Row]:
         if p.src:
             sink = g.sink
             if sink is not None:  # the saved state seeds the block just appended
-                sink.rows.append((g.key, request_id, COPY_INTO_NEW, p.src, row.blocks[0]))
+                sink.rows.append((g.key, request_id, COPY_INTO_NEW, p.src, row.ids[row.nulls]))
                 sink.codes.append("C")
         for position in p.cow:
             row = g.copy_on_write(request_id, row, position)
@@ -271,7 +267,7 @@ def grow_only(tr: Transient, request_id: Any, grows: list[tuple[Any, Row]], tota
         i = 0
         while views[i] is not view:
             i += 1
-        need = blocks_needed(view.policy, True, row[1] + len(row[0]), total)[1]
+        need = blocks_needed(view.policy, True, row[9], total)[1]
         if need > tr.pools[tr.group_pool[i]].queue.count:
             return False
         tr.copy(i).extend(request_id, row, need)
@@ -281,7 +277,7 @@ def grow_only(tr: Transient, request_id: Any, grows: list[tuple[Any, Row]], tota
         i = 0
         while views[i] is not view:
             i += 1
-        need = blocks_needed(view.policy, True, row[1] + len(row[0]), total)[1]
+        need = blocks_needed(view.policy, True, row[9], total)[1]
         plans.append(_new(Plan, (i, row, None, 0, 0, 0, need, (), 0, False)))
     if not has_room(tr, plans, 0):
         return False
