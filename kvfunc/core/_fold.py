@@ -197,37 +197,29 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
     mapping, refused = block_hashes if tr.caching else None, []
     limit, lane = tr.max_model_len, LANE
     la_plain = lookahead >= 0  # then every plain 3-tuple's count is non-negative
+    hashed = mapping is not None or own is not None  # a 3-tuple may have hashes
     for e in entries:
-        te = type(e)
-        if te is tuple and len(e) == 3:
+        if type(e) is tuple and len(e) == 3:
             rid, computed, new = e
-            la, hashes = lookahead, own
             t = type(rid)
-            plain = ((t is int or t is str) and type(computed) is int is type(new)
-                     and (computed | new) >= 0 and (la_plain or new + la >= 0))
-        elif te is SlotRequest or (te is tuple and len(e) == 8):
-            rid, computed, new, la, reserved, keys, hashes, hit = e
-            t = type(rid)
-            plain = ((t is int or t is str) and type(computed) is int and type(new) is int
-                     and (computed | new) >= 0 and type(la) is int and new + la >= 0
-                     and reserved == 0 and type(reserved) is int and keys is None and hit is None)
+            if not ((t is int or t is str) and type(computed) is int is type(new)
+                    and (computed | new) >= 0 and (la_plain or new + lookahead >= 0)):
+                if not _general(tr, e, lookahead, mapping, own):
+                    refused.append(rid)
+                continue
+            hashes = _hashes_of(tr, rid, own, mapping) if hashed else None
+            written = computed + new
+            total = written + lookahead
         else:
-            plain = False
-        if not plain:
-            if not _general(tr, e, lookahead, mapping, own):
-                refused.append(e[0])
-            continue
-        if mapping is not None or hashes is not None:
-            if hashes is None:
-                hashes = mapping.get(rid)  # type: ignore[union-attr]
-            if hashes is not None and (type(hashes) is not BlockHashes
-                                       or hashes.block_size not in tr.checked):
-                check_hashes(tr, hashes, False)
-        written = computed + new
-        total = written + la
+            plain = _plain_slot(tr, e, mapping)
+            if plain is None:
+                if not _general(tr, e, lookahead, mapping, own):
+                    refused.append(e[0])
+                continue
+            rid, computed, written, total, hashes = plain
         if total > limit or written > limit:
             computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
-        if lane:  # quiet in every group, or growing in one: the rows' limits say so
+        if lane:  # quiet in every group, or growing in some: the rows' limits say so
             grows = None
             for view in tr.views:  # the working copies once written: rows as of now
                 try:
@@ -235,14 +227,11 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                 except KeyError:
                     break  # not registered in this group
                 if (not row[8] <= computed < row[6]
-                        or (written >= row[7] and hashes is not None
+                        or (hashes is not None and written >= row[7]
                             and hashes.num_tokens >= row[7])):
                     break
                 if total > row[5]:  # past the blocks it holds
-                    if grows is None:
-                        grows = [(view, row)]
-                    else:
-                        grows.append((view, row))
+                    grows = [(view, row)] if grows is None else [*grows, (view, row)]
             else:
                 if grows is None:
                     continue
@@ -252,6 +241,35 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
         if not step(tr, rid, computed, written, total, 0, None, hashes, None):
             refused.append(rid)
     return refused
+
+
+def _plain_slot(tr: Transient, e: Any, mapping: Mapping[Any, Any] | None
+                ) -> tuple[Any, int, int, int, Any] | None:
+    """A ``SlotRequest`` or 8-tuple of the common form (no reservation, manager-key subset
+    or hit), checked as :func:`check_entry` checks it: ``(rid, computed, written, total,
+    hashes)``; None for any other entry."""
+    if not (type(e) is SlotRequest or (type(e) is tuple and len(e) == 8)):
+        return None
+    rid, computed, new, la, reserved, keys, hashes, hit = e
+    t = type(rid)
+    if not ((t is int or t is str) and type(computed) is int and type(new) is int
+            and (computed | new) >= 0 and type(la) is int and new + la >= 0
+            and reserved == 0 and type(reserved) is int and keys is None and hit is None):
+        return None
+    if hashes is not None or mapping is not None:
+        hashes = _hashes_of(tr, rid, hashes, mapping)
+    written = computed + new
+    return rid, computed, written, written + la, hashes
+
+
+def _hashes_of(tr: Transient, rid: Any, hashes: Any, mapping: Mapping[Any, Any] | None) -> Any:
+    """A plain entry's hashes (its own, else the mapping's), checked to fit the state."""
+    if hashes is None:
+        hashes = mapping.get(rid)  # type: ignore[union-attr]
+    if hashes is not None and (type(hashes) is not BlockHashes
+                               or hashes.block_size not in tr.checked):
+        check_hashes(tr, hashes, False)
+    return hashes
 
 
 def _general(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] | None,
