@@ -28,6 +28,7 @@ from kvfunc.core._internal import (
     excerpt,
     fold,
     free_into,
+    quiet,
     row_table,
     slot_entry,
     usage_string,
@@ -107,8 +108,12 @@ class KVCacheManager:
         if (manager_keys is None and type(lookahead_tokens) is int
                 and type(reserved_tokens) is int and not reserved_tokens and not self._abstract):
             # the plain form, with the step's lookahead: the fold checks the rest
-            return not fold(self._store.tr, ((request_id, computed_tokens, num_new_tokens),),
-                            None, lookahead_tokens)
+            tr = self._store.tr
+            if quiet(tr.views, tr.max_model_len, tr.checked, request_id, computed_tokens,
+                     num_new_tokens, lookahead_tokens, None):
+                return True  # the lane, without a fold
+            return not fold(tr, ((request_id, computed_tokens, num_new_tokens),), None,
+                            lookahead_tokens)
         if self._abstract:
             keys = check_manager_keys(manager_keys)
             if any(keys is None or k in keys for k in self._abstract):

@@ -39,7 +39,7 @@ from kvfunc.core._prefix import PrefixHit
 from kvfunc.core._step import grow_only, step
 from kvfunc.core._transient import Transient
 
-__all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "slot_entry"]
+__all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "quiet", "slot_entry"]
 
 #: Whether the fold skips the step for entries that the rows' quiet limits call quiet
 #: (the lane).  Tests turn it off to compare the lane with the step on random programs.
@@ -241,6 +241,36 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
         if not step(tr, rid, computed, written, total, 0, None, hashes, None):
             refused.append(rid)
     return refused
+
+
+def quiet(views: Sequence[Any], limit: int, checked: Collection[int], rid: Any, computed: Any,
+          new: Any, lookahead: Any, hashes: Any) -> bool:
+    """Whether a plain entry ``(rid, computed, new)`` is quiet in every group of ``views``.
+
+    The lane's question for one entry, asked before a transition is opened
+    (``allocate_slots``, the compat facade): True only for valid counts of
+    a request registered in every group whose rows' quiet limits say the
+    step has nothing to do, with hashes (if any) of a block size the state
+    has already ``checked``.  Anything else is False and goes through the
+    fold, which checks it fully.  It reads the rows as :func:`fold`'s lane
+    does (``tests/test_lane.py`` runs programs with both off and on).
+    """
+    t = type(rid)
+    if not (LANE and (t is int or t is str) and type(computed) is int is type(new)
+            and type(lookahead) is int and (computed | new) >= 0 and new + lookahead >= 0
+            and (hashes is None or (type(hashes) is BlockHashes
+                                    and hashes.block_size in checked))):
+        return False
+    written = computed + new
+    total = written + lookahead
+    if total > limit or written > limit:
+        return False
+    for view in views:
+        row = view.rows.get(rid)
+        if (row is None or not row[8] <= computed < row[6] or total > row[5]
+                or (hashes is not None and written >= row[7] and hashes.num_tokens >= row[7])):
+            return False
+    return True
 
 
 def _plain_slot(tr: Transient, e: Any, mapping: Mapping[Any, Any] | None

@@ -8,7 +8,7 @@ of reaching into private ones.
 from kvfunc.core._cache_info import as_listed
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id, excerpt
 from kvfunc.core._delta import DeltaBuilder, family_rows
-from kvfunc.core._fold import fold, slot_entry
+from kvfunc.core._fold import fold, quiet, slot_entry
 from kvfunc.core._group import GroupCopy
 from kvfunc.core._pool import PoolCopy
 from kvfunc.core._rows import Row, row_table
@@ -22,5 +22,5 @@ __all__ = [
     "DeltaBuilder", "FrozenDict", "GroupCopy", "PoolCopy", "Row", "Transient", "as_listed",
     "calculate_block_num_lazy", "check_count", "check_manager_keys", "check_request_id",
     "excerpt", "family_rows", "fold", "free_into", "group_cache_entries", "mamba_entry",
-    "positive_field", "recycle_into", "row_table", "slot_entry", "usage_string",
+    "positive_field", "quiet", "recycle_into", "row_table", "slot_entry", "usage_string",
 ]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id
 from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidTypeError
-from kvfunc.core._fold import check_hashes, check_lookahead, fold
+from kvfunc.core._fold import check_hashes, check_lookahead, fold, quiet
 from kvfunc.core._policy import slid_out
 from kvfunc.core._rows import row_table
 from kvfunc.core._state import BlockId, KVState, RequestId, check_state, find_group, usage_string
@@ -79,6 +79,11 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
     """
     if type(state) is not KVState:
         check_state(state)
+    elif (prefix_hit is None and manager_keys is None and reserved_tokens.__class__ is int
+          and not reserved_tokens and state._shape is not None
+          and quiet(state.groups, state.max_model_len, state._shape[2], request_id,
+                    computed_tokens, num_new_tokens, lookahead_tokens, block_hashes)):
+        return _new(AllocationResult, (True, state, EMPTY_DELTA))  # the lane, before opening
     sink = DeltaBuilder()
     tr = Transient.open(state, sink)
     if (lookahead_tokens.__class__ is int and reserved_tokens.__class__ is int
