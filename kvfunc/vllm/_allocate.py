@@ -110,7 +110,45 @@ class Allocation(ManagerBase):
                        num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False,
                        reserved_blocks: int = 0, has_scheduled_reqs: bool = True,
                        skip_zeroing_group_ids: tuple[int, ...] = ()) -> Any:
-        """Slots for a request's new tokens (see the module docstring); None when refused."""
+        """Slots for a request's new tokens (see the module docstring); None when refused.
+
+        The scheduler's usual call -- a running request's next tokens, no
+        prefix hit, no connector, no gate, nothing in flight under a window,
+        no watermark -- is one ``kf.allocate_slots`` from the computed count
+        and returns at once when the transition changed nothing (a decode
+        step that fills no block).  Every other call is :meth:`_allocate`.
+        """
+        if (num_new_computed_tokens or num_external_computed_tokens or full_sequence_must_fit
+                or delay_cache_blocks or reserved_blocks or not num_new_tokens
+                or (self._windowed and request.num_in_flight_tokens)
+                or (self.watermark_blocks and has_scheduled_reqs
+                    and request.status in _waiting_states())):
+            return self._allocate(request, num_new_tokens, num_new_computed_tokens,
+                                  new_computed_blocks, num_lookahead_tokens,
+                                  num_external_computed_tokens, delay_cache_blocks,
+                                  full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
+                                  skip_zeroing_group_ids)
+        state, rid = self._state, request.request_id
+        computed = request.num_computed_tokens
+        if computed > self.max_model_len:
+            computed = self.max_model_len
+        written = computed + num_new_tokens
+        hashes = self._hashes.for_step(request, written) if self.enable_caching else None
+        result = kf.allocate_slots(state, rid, computed, num_new_tokens, num_lookahead_tokens,
+                                   block_hashes=hashes)
+        new_state = result.state
+        if new_state is state:  # refused, or nothing to do: the common decode step
+            return self.empty_kv_cache_blocks if result.ok else self._refused(
+                request, max(0, computed - request.num_in_flight_tokens))
+        return self._adopt(state, new_state, result.delta, request, None, (computed, written), 0,
+                           skip_zeroing_group_ids)
+
+    def _allocate(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
+                  new_computed_blocks: Any, num_lookahead_tokens: int,
+                  num_external_computed_tokens: int, delay_cache_blocks: bool,
+                  full_sequence_must_fit: bool, reserved_blocks: int, has_scheduled_reqs: bool,
+                  skip_zeroing_group_ids: tuple[int, ...]) -> Any:
+        """:meth:`allocate_slots` with every argument vLLM can pass (see the module docstring)."""
         if not (num_new_tokens or num_external_computed_tokens or num_new_computed_tokens):
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
                              "computed tokens to adopt")
@@ -134,20 +172,29 @@ class Allocation(ManagerBase):
         if result is None or (
                 (reserved_blocks or watermark)
                 and result[0].pools[0].num_free < reserved_blocks + watermark):
-            self._hashes.unsee(rid)
-            if state.group(self._layout.keys[0]).row(rid) is not None:
-                self._commit(*kf.recycle_skipped_blocks(state, rid, processed),
-                             "recycle_skipped_blocks", request, (processed,))
-            return None
-        new_state, delta = result
-        if "A" not in delta.order:  # no block taken: the common decode step
-            self._commit(new_state, delta, "allocate_slots", request, (computed, written))
+            return self._refused(request, processed)
+        return self._adopt(state, result[0], result[1], request, hit, (computed, written),
+                           computed if num_external_computed_tokens else 0,
+                           skip_zeroing_group_ids)
+
+    def _refused(self, request: Any, processed: int) -> None:
+        """A refused allocation: vLLM still lets go what slid out of the windows (None)."""
+        rid, state = request.request_id, self._state
+        self._hashes.unsee(rid)
+        if state.group(self._layout.keys[0]).row(rid) is not None:
+            self._commit(*kf.recycle_skipped_blocks(state, rid, processed),
+                         "recycle_skipped_blocks", request, (processed,))
+
+    def _adopt(self, state: kf.KVState, new_state: kf.KVState, delta: kf.BlocksChanged,
+               request: Any, hit: kf.PrefixHit | None, args: tuple[int, int],
+               external_end: int, skip_zeroing: tuple[int, ...]) -> Any:
+        """Commit an accepted allocation; the ``KVCacheBlocks`` of the blocks it added."""
+        if "A" not in delta.order:  # no block taken
+            self._commit(new_state, delta, "allocate_slots", request, args)
             return self.empty_kv_cache_blocks
-        blocks, zeroed = self._new_blocks(state, new_state, rid, hit,
-                                          computed if num_external_computed_tokens else 0,
-                                          skip_zeroing_group_ids)
-        self._commit(new_state, delta, "allocate_slots", request, (computed, written),
-                     zeroed=zeroed)
+        blocks, zeroed = self._new_blocks(state, new_state, request.request_id, hit,
+                                          external_end, skip_zeroing)
+        self._commit(new_state, delta, "allocate_slots", request, args, zeroed=zeroed)
         return blocks
 
     def _transition(self, rid: str, hit: kf.PrefixHit | None, local: int, processed: int,
@@ -232,7 +279,7 @@ class Allocation(ManagerBase):
                     hit: kf.PrefixHit | None, external_end: int,
                     skip_zeroing: tuple[int, ...]) -> tuple[Any, list[int]]:
         """The blocks this allocation added to the request's tables, per group, and the
-        ids to zero.
+        ids to zero (none when vLLM does not zero).
 
         Blocks for tokens a connector brings (before ``external_end``) are not
         returned (vLLM returns only the blocks for tokens to compute), and are
@@ -242,11 +289,12 @@ class Allocation(ManagerBase):
         first_new = -(-external_end // bs)
         out: list[list[Any]] = []
         zeroed: list[int] = []
-        handles = self._handles.blocks
+        handles, zeroing = self._handles.blocks, self._zeroing
         for i, (old, new) in enumerate(zip(before.groups, after.groups, strict=True)):
             held = len(hit.block_ids[old.key]) if hit is not None else len(old.table(rid))
             table = new.table(rid)
             returned = table[max(held, first_new):]
             out.append(handles(returned))
-            zeroed += (b for b in (returned if i in skip_zeroing else table[held:]) if b)
+            if zeroing:
+                zeroed += (b for b in (returned if i in skip_zeroing else table[held:]) if b)
         return self.create_kv_cache_blocks(tuple(out)), zeroed

@@ -83,6 +83,7 @@ class ManagerBase:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.keys))
         self._layout: Layout = layout
         self._group_index = {key: i for i, key in enumerate(layout.keys)}
+        self._windowed = any(w is not None for w in layout.windows)
         self._state = layout.initial_state()
         self._handles = Handles(layout.num_blocks, KVCacheBlock)
         self._hashes = RequestHashes(layout.block_size)

@@ -5,8 +5,9 @@ vLLM's scheduler receives blocks as ``KVCacheBlock`` objects (inside
 ``allocate_slots``, a deferred free's blocks to ``block_pool.free_blocks``.
 kvfunc's state is the truth about every block; a handle carries only its
 ``block_id`` (its ``ref_cnt`` and hash fields are not kept up to date).  As in
-vLLM's pool, there is one handle per block id, made when first needed, and
-block 0 is the one null block.
+vLLM's pool, there is one handle per block id, all made when the manager is
+built (a hand-out then costs one list read per block), and block 0 is the
+one null block.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ __all__ = ["Handles"]
 
 
 class Handles:
-    """One handle per block id, made on first use.
+    """One handle per block id, made up front.
 
     ``block_type`` is vLLM's ``KVCacheBlock`` (any class built as
     ``block_type(block_id, is_null=...)``).
@@ -35,18 +36,13 @@ class Handles:
     True
     """
 
-    __slots__ = ("_block", "_handles", "null")
+    __slots__ = ("_get", "null")
 
     def __init__(self, num_blocks: int, block_type: Any) -> None:
-        self._block = block_type
         self.null = block_type(0, is_null=True)
-        self._handles: list[Any] = [self.null] + [None] * (num_blocks - 1)
-
-    def _make(self, block_id: int) -> Any:
-        handle = self._handles[block_id] = self._block(block_id)
-        return handle
+        handles = [self.null, *map(block_type, range(1, num_blocks))]
+        self._get = handles.__getitem__
 
     def blocks(self, ids: Iterable[int]) -> list[Any]:
         """The handles of ``ids`` (block 0 is the null handle)."""
-        hs = self._handles
-        return [h if (h := hs[b]) is not None else self._make(b) for b in ids]
+        return list(map(self._get, ids))

@@ -94,7 +94,8 @@ class KVCacheManager(Allocation, Release):
 
     def take_events(self) -> list[Any]:
         """The KV events since the last call, stamped with their group's spec."""
-        return annotate(self.take_raw_events(), self.kv_cache_event_metadata)
+        events = self.take_raw_events()
+        return annotate(events, self.kv_cache_event_metadata) if events else events
 
     def take_new_block_ids(self) -> list[int]:
         """Block ids handed out since the last call, for zeroing (when vLLM zeroes)."""
