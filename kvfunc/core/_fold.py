@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id, excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 from kvfunc.core._hashing import BlockHashes
+from kvfunc.core._policy import NEVER
 from kvfunc.core._prefix import PrefixHit
 from kvfunc.core._step import grow_only, step
 from kvfunc.core._transient import Transient
@@ -231,6 +232,8 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                             and hashes.num_tokens >= row[7])):
                     break
                 if total > row[5]:  # past the blocks it holds
+                    if hashes is not None and row[7] >= NEVER:
+                        break  # every held block is cached: a new one may complete too
                     grows = [(view, row)] if grows is None else [*grows, (view, row)]
             else:
                 if grows is None:
