@@ -188,10 +188,9 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
     """Every entry, of any form, checked and then served in order on ``tr``: the refused ids.
 
     The common forms (a plain 3-tuple; a ``SlotRequest`` or 8-tuple with no
-    reservation, manager-key subset or hit) are checked inline as
-    :func:`check_entry` checks the rest, and a quiet one is served by the
-    lane.  ``block_hashes``: ``allocate_batch``'s mapping (a caching error on
-    a state that does not cache); ``own``: a lone 3-tuple's hashes.
+    reservation, manager-key subset or hit) are checked as :func:`check_entry`
+    checks the rest, and the lane serves a quiet or only-growing one.
+    ``block_hashes``: ``allocate_batch``'s mapping; ``own``: a 3-tuple's hashes.
     """
     if block_hashes and not tr.caching:
         check_hashes(tr, None, False)  # raises: hashes need a caching state
