@@ -261,28 +261,21 @@ def grow_only(tr: Transient, request_id: Any, grows: list[tuple[Any, Row]], tota
     needs per pool (:func:`has_room`).  False (``tr`` untouched) when a pool
     lacks the blocks.
     """
-    views = tr.views
-    if len(grows) == 1:  # one plan, one pool: its free count is the room check
-        view, row = grows[0]
-        i = 0
-        while views[i] is not view:
-            i += 1
-        need = blocks_needed(view.policy, True, row[9], total)[1]
-        if need > tr.pools[tr.group_pool[i]].queue.count:
-            return False
-        tr.copy(i).extend(request_id, row, need)
-        return True
-    plans = []
+    views, plans = tr.views, []
     for view, row in grows:
         i = 0
         while views[i] is not view:
             i += 1
-        need = blocks_needed(view.policy, True, row[9], total)[1]
-        plans.append(_new(Plan, (i, row, None, 0, 0, 0, need, (), 0, False)))
-    if not has_room(tr, plans, 0):
+        plans.append((i, row, blocks_needed(view.policy, True, row[9], total)[1]))
+    if len(plans) == 1:  # one group, one pool: its free count is the room check
+        i, row, need = plans[0]
+        if need > tr.pools[tr.group_pool[i]].queue.count:
+            return False
+    elif not has_room(tr, [_new(Plan, (i, row, None, 0, 0, 0, need, (), 0, False))
+                           for i, row, need in plans], 0):
         return False
-    for p in plans:
-        tr.copy(p.group).extend(request_id, p.row, p.need)  # type: ignore[arg-type]
+    for i, row, need in plans:
+        tr.copy(i).extend(request_id, row, need)
     return True
 
 
