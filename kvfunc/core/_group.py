@@ -25,13 +25,14 @@ from kvfunc.core._delta import COPY_SAVED, DeltaBuilder
 from kvfunc.core._policy import KEEPS_ALL, Policy, row_limits, skip_mode
 from kvfunc.core._pool import PoolCopy, cache_key
 from kvfunc.core._rows import (
-    ASK,
     Row,
     TablesView,
     append_ids,
+    grown,
     leading_nulls,
     make_row,
     remade,
+    replaced,
     row_table,
 )
 
@@ -214,13 +215,6 @@ class GroupCopy:
         self.pool.release(row.ids[lo:upto][::-1], self.key)
         return new
 
-    def reclaimable(self, row: Row, upto: int) -> int:
-        """Blocks that recycling positions ``row.nulls .. upto - 1`` returns to the pool."""
-        if not self.pool.linked:
-            return upto - row.nulls
-        refs = self.pool.refs
-        return sum(1 for b in row.ids[row.nulls:upto] if refs[b] == 1)
-
     def grow(self, request_id: Any, row: Row, need: int, nulls: int = 0) -> Row:
         """Append ``nulls`` null entries, then ``need`` blocks taken from the pool; records A."""
         ids = self.pool.take(need) if need else []
@@ -235,12 +229,10 @@ class GroupCopy:
                 rows.extend([(key, request_id, b) for b in ids])
                 sink.rows.extend(rows)
                 sink.codes.append("A" * len(rows))
-        length = row.length
-        if nulls and length > row.nulls:
+        if nulls and row.length > row.nulls:
             raise AssertionError("null entries only ever form a prefix of a table")
         entries = [0] * nulls + ids if nulls else ids
-        return _new(Row, (append_ids(row.ids, length, entries), row.nulls + nulls, row.stored,
-                          row.shared, row.seq, *ASK, length + len(entries)))
+        return grown(row, entries, row.nulls + nulls, row.stored, row.shared)
 
     def extend(self, request_id: Any, row: Row, need: int) -> None:
         """:meth:`grow` by ``need > 0`` blocks, then :meth:`put`: the common decode step.
@@ -260,12 +252,7 @@ class GroupCopy:
                 sink.codes.append("A" * need)
         held, nulls, stored, shared, seq = row[:5]
         length = row[9]
-        if len(held) == length:  # ``append_ids``, inlined for the common decode step
-            held.extend(ids)
-            if held[length:] != ids:
-                held = append_ids(held, length, ids)
-        else:
-            held = append_ids(held, length, ids)
+        held = append_ids(held, length, ids)
         length += need
         room, slide, fill, cow_from = row_limits(self.policy, self.traits, self.caching, length,
                                                  nulls, stored, shared)
@@ -295,9 +282,7 @@ class GroupCopy:
             elif sink is not None:
                 sink.rows.append((key, request_id, 0))
                 sink.codes.append("A")
-        length = n + len(entries)
-        return _new(Row, (append_ids(row.ids, n, list(entries)), row.nulls + lead, stored, length,
-                          row.seq, *ASK, length))
+        return grown(row, list(entries), row.nulls + lead, stored, n + len(entries))
 
     def copy_on_write(self, request_id: Any, row: Row, position: int) -> Row:
         """Give the request its own copy of the shared block at ``position``; records C."""
@@ -308,11 +293,7 @@ class GroupCopy:
             sink.rows.append((self.key, request_id, position, src, dst))
             sink.codes.append("C")
         self.pool.release((src,), self.key)
-        ids = row.ids[:row.length]  # the lineage's list is never written below its end
-        ids[position] = dst
-        stored = min(row.stored, position)  # the copy holds nothing cached yet
-        return _new(Row, (ids, row.nulls, stored, row.shared, row.seq, *ASK,
-                          row.length))
+        return replaced(row, position, dst, min(row.stored, position))  # the copy: not cached
 
     # -- the hash store -------------------------------------------------------------------
     def lookup(self, digest: bytes) -> int | None:

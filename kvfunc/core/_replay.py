@@ -40,7 +40,7 @@ from kvfunc.core._ops import (
     Stored,
 )
 from kvfunc.core._pool import cache_key
-from kvfunc.core._rows import NULL, Row, appended, make_row, remade
+from kvfunc.core._rows import NULL, Row, grown, make_row, remade, replaced
 from kvfunc.core._state import KVState, check_state
 from kvfunc.core._transient import Transient
 
@@ -247,11 +247,11 @@ def _appended(g: GroupCopy, op: Any, pending: list[int]) -> None:
             _fail(f"a null entry in {g.key!r}, whose policy keeps every token")
         if row.length > row.nulls:
             _fail("a null entry after a real one")
-        g.put(op.request_id, appended(row, NULL))
+        g.put(op.request_id, grown(row, [NULL], row.nulls + 1, row.stored, row.shared))
         return
     b = _block(g, op.block_id)
     _take(g, b)
-    g.put(op.request_id, appended(row, b))
+    g.put(op.request_id, grown(row, [b], row.nulls, row.stored, row.shared))
 
 
 def _shared(g: GroupCopy, op: Any, pending: list[int]) -> None:
@@ -288,10 +288,7 @@ def _copied(g: GroupCopy, op: Any, pending: list[int]) -> None:
     _take(g, dst)
     if pos == COPY_SAVED:
         return  # held by nobody once its Stored row caches it
-    ids = row.ids[:row.length]
-    ids[pos] = dst
-    g.put(op.request_id, make_row(ids[row.nulls:], row.nulls, min(row.stored, pos), row.shared,
-                                  row.seq))
+    g.put(op.request_id, replaced(row, pos, dst, min(row.stored, pos)))
     _drop_holder(g, src, pending)
 
 

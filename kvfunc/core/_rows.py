@@ -45,8 +45,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["ASK", "NULL", "Row", "TablesView", "append_ids", "appended", "leading_nulls",
-           "make_row", "remade", "row_table"]
+__all__ = ["ASK", "NULL", "Row", "TablesView", "append_ids", "grown", "leading_nulls", "make_row",
+           "recycled_free", "remade", "replaced", "row_table"]
 
 NULL = 0
 
@@ -123,17 +123,44 @@ def append_ids(ids: list[int], length: int, new: list[int]) -> list[int]:
     return out
 
 
-def appended(row: Row, entry: int) -> Row:
-    """``row`` with one more entry (a null entry, :data:`NULL`, raises ``nulls``), limits ASK.
+def grown(row: Row, entries: list[int], nulls: int, stored: int, shared: int) -> Row:
+    """``row`` with ``entries`` appended (its lineage's list shared when it can be), ``nulls``
+    null entries in all, the counters given, limits :data:`ASK`.
 
-    >>> row = appended(appended(make_row((), 0, 0, 0, 1), NULL), 6)
+    >>> row = grown(make_row((), 0, 0, 0, 1), [NULL, 6], 1, 0, 0)
     >>> row_table(row), row.nulls
     ((0, 6), 1)
     """
     length = row[9]
-    nulls = row[1] + 1 if entry == NULL else row[1]
-    return _new(Row, (append_ids(row[0], length, [entry]), nulls, row[2], row[3], row[4], *ASK,
-                      length + 1))
+    return _new(Row, (append_ids(row[0], length, entries), nulls, stored, shared, row[4], *ASK,
+                      length + len(entries)))
+
+
+def replaced(row: Row, position: int, block: int, stored: int) -> Row:
+    """``row`` with ``block`` at ``position`` (a copy-on-write), in a list of its own.
+
+    The lineage's list is never written below its end, so the table is copied.
+
+    >>> old = make_row((4, 5), 0, 2, 2, 1)
+    >>> new = replaced(old, 1, 9, 1)
+    >>> row_table(new), row_table(old), new.stored
+    ((4, 9), (4, 5), 1)
+    """
+    ids = row[0][:row[9]]
+    ids[position] = block
+    return _new(Row, (ids, row[1], stored, row[3], row[4], *ASK, row[9]))
+
+
+def recycled_free(row: Row, upto: int, refs: Any) -> int:
+    """Blocks that recycling positions ``row.nulls .. upto - 1`` frees: all of them without
+    reference counts (``refs`` None), else those no other table holds.
+
+    >>> recycled_free(make_row((4, 5, 6), 0, 0, 0, 1), 2, [0, 0, 0, 0, 2, 1, 1])
+    1
+    """
+    if refs is None:
+        return upto - row[1]
+    return sum(1 for b in row[0][row[1]:upto] if refs[b] == 1)
 
 
 def row_table(row: Row) -> tuple[int, ...]:

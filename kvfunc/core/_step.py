@@ -35,7 +35,7 @@ from kvfunc.core._delta import COPY_INTO_NEW
 from kvfunc.core._group import GroupCopy
 from kvfunc.core._policy import blocks_needed, slid_out
 from kvfunc.core._pool import cache_key
-from kvfunc.core._rows import Row, leading_nulls
+from kvfunc.core._rows import Row, leading_nulls, recycled_free
 from kvfunc.core._transient import Transient
 
 __all__ = ["Plan", "apply_plans", "grow_only", "has_room", "plan_group", "step"]
@@ -196,11 +196,7 @@ def _gain(tr: Transient, p: Plan) -> int:
     """Blocks that the plan's recycling returns to its pool."""
     row = p.row
     assert row is not None
-    pool = tr.pools[tr.group_pool[p.group]]
-    if pool.refs is None:
-        return p.upto - row.nulls
-    refs = pool.refs
-    return sum(1 for b in row.ids[row.nulls:p.upto] if refs[b] == 1)
+    return recycled_free(row, p.upto, tr.pools[tr.group_pool[p.group]].refs)
 
 
 def apply_plans(tr: Transient, request_id: Any, plans: list[Plan]) -> list[Row]:
