@@ -134,6 +134,15 @@ def test_an_int_subclass_token_is_refused_on_every_path(tokens: list[int]) -> No
         assert isinstance(raises_typed(lambda: start.update(tokens)), kf.InvalidTypeError)
 
 
+@pytest.mark.parametrize("where", ["extra_keys", "cache_salt"])
+def test_an_int_subclass_key_or_salt_is_refused(where: str) -> None:
+    """A key or salt whose type is an int subclass is refused like a bool (its str() could lie)."""
+    args: dict[str, Any] = {"extra_keys": (0, IntSubclass(3))} if where == "extra_keys" else {
+        "cache_salt": IntSubclass(3)}
+    error = raises_typed(lambda: kf.BlockHashes.of([1, 2, 3, 4], 2, **args))
+    assert isinstance(error, kf.InvalidTypeError)
+
+
 def test_a_value_rebuilt_from_its_fields_is_checked_and_equal() -> None:
     """Pickling goes through the checking constructor: a real value comes back equal."""
     h = kf.BlockHashes.of(range(10), 4, cache_salt="t")

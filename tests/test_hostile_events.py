@@ -74,6 +74,13 @@ def test_a_batch_that_can_be_made_round_trips_through_the_codec(field: str, valu
     assert back == batch or back.ts != back.ts  # NaN is the one ts unequal to itself
 
 
+def test_an_int_time_is_kept_as_the_float_the_wire_carries() -> None:
+    """2**53 + 1 has no float: the batch holds the float it rounds to, so it round-trips."""
+    batch = KVEventBatch(2 ** 53 + 1, (AllBlocksCleared(),))
+    assert type(batch.ts) is float
+    assert decode_event_batch(encode_event_batch(batch)) == batch
+
+
 @pytest.mark.parametrize("call", [
     lambda: BlockStored(("ab",), None, (1, 2), 2),
     lambda: BlockStored((b"ab",), None, (1, 2), "4"),

@@ -75,14 +75,17 @@ def hash_function(name: str) -> Callable[[bytes], bytes]:
     raise InvalidArgumentError(msg)
 
 
+_KEY_TYPES = (str, bytes, int)
+
+
 def _encode_key(key: object) -> bytes:
     """One extra key as tagged, length-prefixed bytes (so keys never run together)."""
-    if isinstance(key, bool) or not isinstance(key, str | bytes | int):
+    if type(key) not in _KEY_TYPES:  # not bool, nor a subclass whose str() could lie
         msg = f"extra keys and the cache salt must be str, bytes or int, got {excerpt(key)}"
         raise InvalidTypeError(msg)
-    if isinstance(key, str):
+    if type(key) is str:
         tag, raw = b"s", key.encode()
-    elif isinstance(key, bytes):
+    elif type(key) is bytes:
         tag, raw = b"b", key
     else:
         tag, raw = b"i", str(key).encode()

@@ -197,9 +197,14 @@ KVCacheEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 _EVENT_TYPES = frozenset({BlockStored, BlockRemoved, AllBlocksCleared})
 
 
-def _ts(inst: Any, attribute: Any, value: Any) -> None:
+def _as_float(value: Any) -> Any:
+    """An int time in a float's range as the float the wire carries (so a batch round-trips)."""
     if type(value) is int and -_FLOAT_MAX <= value <= _FLOAT_MAX:
-        return
+        return float(value)
+    return value
+
+
+def _ts(inst: Any, attribute: Any, value: Any) -> None:
     if type(value) is not float:
         raise _fail("KVEventBatch", "ts", "a float", value)
 
@@ -225,7 +230,7 @@ class KVEventBatch:
     (AllBlocksCleared(groups=()),)
     """
 
-    ts: float = attrs.field(validator=_ts)
+    ts: float = attrs.field(converter=_as_float, validator=_ts)
     events: tuple[KVCacheEvent, ...] = attrs.field(converter=_tuple, validator=_events)
     data_parallel_rank: int | None = attrs.field(default=None, validator=_lora_id)
 
