@@ -17,6 +17,7 @@ delta is the transition's exact log and replay runs the same primitives.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import immutables
@@ -225,10 +226,9 @@ class GroupCopy:
                 sink.rows.append((key, request_id, ids[0]))
                 sink.codes.append("A")
             else:
-                rows = [(key, request_id, 0)] * nulls
-                rows.extend([(key, request_id, b) for b in ids])
-                sink.rows.extend(rows)
-                sink.codes.append("A" * len(rows))
+                sink.rows.extend([(key, request_id, 0)] * nulls)
+                sink.rows.extend([(key, request_id, b) for b in ids])
+                sink.codes.append("A" * (nulls + len(ids)))
         if nulls and row.length > row.nulls:
             raise AssertionError("null entries only ever form a prefix of a table")
         entries = [0] * nulls + ids if nulls else ids
@@ -267,21 +267,18 @@ class GroupCopy:
         the cached entries that follow the row's cached prefix, and
         ``shared`` covers every entry.
         """
-        pool, sink, key, caching = self.pool, self.sink, self.key, self.caching
-        n = row.length
+        pool, sink, n = self.pool, self.sink, row.length
         lead = leading_nulls(entries) if n == row.nulls else 0
         stored = max(row.stored, row.nulls + lead)
-        for p, b in enumerate(entries, n):
-            if b:
-                pool.share(b)
-                if p == stored and caching and pool.hash_of[b] is not None:
-                    stored = p + 1
-                if sink is not None:
-                    sink.rows.append((key, request_id, b))
-                    sink.codes.append("S")
-            elif sink is not None:
-                sink.rows.append((key, request_id, 0))
-                sink.codes.append("A")
+        pool.share_run(entries)
+        if self.caching and n <= stored < n + len(entries):  # over the entries cached already
+            keys = list(map(pool.hash_of.__getitem__, entries[stored - n:]))
+            stored += keys.index(None) if None in keys else len(keys)
+        if sink is not None:
+            key = self.key
+            sink.rows.extend([(key, request_id, b) for b in entries])
+            sink.codes.append("".join(["S" if b else "A" for b in entries]) if 0 in entries
+                              else "S" * len(entries))
         return grown(row, list(entries), row.nulls + lead, stored, n + len(entries))
 
     def copy_on_write(self, request_id: Any, row: Row, position: int) -> Row:
@@ -321,12 +318,7 @@ class GroupCopy:
         pool.store_run(run, hs if tag is None else [h + tag for h in hs])
         sink = self.sink
         if sink is not None and run:
-            key, first = self.key, positions[0]
-            toks = tuple(hashes._tokens[first * bs:(positions[-1] + 1) * bs])
-            sink.rows.extend([
-                (key, request_id, q, b, h, digests[q * m - 1] if q else None,
-                 toks[(q - first) * bs:(q - first + 1) * bs])
-                for q, b, h in zip(positions, run, hs, strict=True)])
+            sink.rows.extend(_stored_rows(self.key, request_id, positions, run, hs, hashes, m))
             sink.codes.append("T" * len(run))
         return remade(row, nulls, upto, row.shared if row.shared > upto else upto)
 
@@ -369,3 +361,24 @@ class GroupCopy:
     def keeps_every_token(self) -> bool:
         """True when the policy never skips a token (no null entries, nothing slides out)."""
         return self.mode == KEEPS_ALL
+
+
+def _stored_rows(key: str, request_id: Any, positions: Sequence[int], run: Sequence[int],
+                 digests: Sequence[bytes], hashes: Any, m: int) -> Any:
+    """The T rows of caching ``run`` at ``positions`` under ``digests`` (``m`` hash blocks each).
+
+    A row carries the parent digest (None at position 0) and the block's
+    tokens; a contiguous run (the common case) builds them with no Python loop.
+    """
+    first, n = positions[0], len(run)
+    every, tokens = hashes._digests, hashes._tokens
+    bs = m * hashes.block_size
+    if positions[-1] - first + 1 == n:
+        toks = iter(tokens[first * bs:(first + n) * bs])
+        parents = (every[first * m - 1:(first + n) * m - 1:m] if first
+                   else [None, *every[m - 1:(n - 1) * m:m]])
+        return zip(repeat(key), repeat(request_id), positions, run, digests, parents,
+                   zip(*[toks] * bs, strict=True))
+    return [(key, request_id, q, b, h, every[q * m - 1] if q else None,
+             tuple(tokens[q * bs:(q + 1) * bs]))
+            for q, b, h in zip(positions, run, digests, strict=True)]

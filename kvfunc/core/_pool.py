@@ -217,8 +217,9 @@ class PoolCopy:
                 refs[b] = 1
             if self.num_cached:
                 hash_of = self.hash_of
-                for b in [b for b in out if hash_of[b] is not None]:
-                    self._evict(b)
+                cached = [b for b in out if hash_of[b] is not None]
+                if cached:
+                    self._evict_run(cached, [hash_of[b] for b in cached])
         return out
 
     def free(self, ids: Sequence[int], key: str) -> None:
@@ -235,11 +236,13 @@ class PoolCopy:
                 sink.codes.append("F" * len(ids))
             return
         hash_of = self.hash_of
-        if hash_of is None:
-            front, back = list(ids), []
-        else:
+        front: Sequence[int]
+        back: Sequence[int]
+        if hash_of is None or not self.num_cached:
+            front, back = ids, ()
+        else:  # a key is never empty: the cached blocks go to the back, the others first
             front = [b for b in ids if hash_of[b] is None]
-            back = [b for b in ids if hash_of[b] is not None] if len(front) < len(ids) else []
+            back = [b for b in ids if hash_of[b] is not None] if len(front) < len(ids) else ()
         self.queue.push_back(back)
         self.queue.push_front(front)
         if sink is not None:  # in release order: replay frees the whole run at once
@@ -269,6 +272,18 @@ class PoolCopy:
         if not r:
             self.queue.remove(b)
         refs[b] = r + 1
+
+    def share_run(self, entries: Sequence[int]) -> None:
+        """:meth:`share` each non-null entry of ``entries``."""
+        if not self.writable:
+            self.writing()
+        ids = [b for b in entries if b] if 0 in entries else entries
+        refs, queue = self.refs, self.queue
+        for b in ids:
+            r = refs[b]
+            if not r:
+                queue.remove(b)
+            refs[b] = r + 1
 
     def detach(self, ids: Sequence[int]) -> None:
         """Count one holder of each block outside the tables (its table entry is gone)."""
@@ -329,21 +344,36 @@ class PoolCopy:
 
     def _evict(self, b: int) -> None:
         """Forget what block ``b`` caches; records the E row under its member group's key."""
-        hash_of, index = self.hash_of, self.by_key
-        key = hash_of[b]
-        found = index[key]
-        if type(found) is int:
-            del index[key]
+        self._evict_run([b], [self.hash_of[b]])
+
+    def _evict_run(self, blocks: list[int], keys: list[bytes]) -> None:
+        """Forget what ``blocks`` cache (under ``keys``); records their E rows, in order."""
+        index = self.by_key
+        if all([type(index[k]) is int for k in keys]):  # each the key's only block: common
+            for k in keys:
+                del index[k]
         else:
-            rest = tuple(x for x in found if x != b)
-            index[key] = rest[0] if len(rest) == 1 else rest
-        hash_of[b] = None
-        self.num_cached -= 1
+            for b, key in zip(blocks, keys, strict=True):
+                found_now = index[key]
+                if type(found_now) is int:
+                    del index[key]
+                else:
+                    rest = tuple(x for x in found_now if x != b)
+                    index[key] = rest[0] if len(rest) == 1 else rest
+        hash_of = self.hash_of
+        for b in blocks:
+            hash_of[b] = None
+        self.num_cached -= len(blocks)
         sink = self.sink
         if sink is not None:
-            member, digest = (key[-1], key[:-1]) if self.tagged else (0, key)
-            sink.rows.append((self.members[member], b, digest))
-            sink.codes.append("E")
+            if self.tagged:
+                members = self.members
+                sink.rows.extend([(members[k[-1]], b, k[:-1])
+                                  for b, k in zip(blocks, keys, strict=True)])
+            else:
+                member = self.members[0]
+                sink.rows.extend([(member, b, k) for b, k in zip(blocks, keys, strict=True)])
+            sink.codes.append("E" * len(blocks))
 
     def evict(self, b: int) -> bool:
         """Forget what block ``b`` caches, held or free (vLLM's ``evict_blocks``); True if it did.

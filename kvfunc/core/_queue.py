@@ -33,6 +33,7 @@ __all__ = ["CHUNK", "Linked", "LinkedCopy", "Ring", "RingCopy"]
 CHUNK = 64
 
 
+
 class Ring:
     """The seed's FIFO as a value: ``chunks`` of ids, the ``head`` position, ``count`` ids."""
 
@@ -207,30 +208,24 @@ class LinkedCopy:
 
     def push_front(self, ids: Sequence[int]) -> None:
         """Put ``ids`` at the front, ``ids[0]`` first (vLLM's ``prepend_n``)."""
-        if not ids:
-            return
-        if not self.writable:
-            self._write()
-        prev, nxt, s = self.prev, self.next, self.sentinel
-        first, last = nxt[s], s
-        for b in ids:
-            prev[b], nxt[last] = last, b
-            last = b
-        nxt[last], prev[first] = first, last
-        self.count += len(ids)
+        if ids:
+            self._link(self.sentinel, ids)
 
     def push_back(self, ids: Sequence[int]) -> None:
         """Put ``ids`` at the back, in order (vLLM's ``append_n``)."""
-        if not ids:
-            return
+        if ids:
+            self._link(self.prev[self.sentinel], ids)
+
+    def _link(self, last: int, ids: Sequence[int]) -> None:
+        """Link ``ids``, in order, between block ``last`` (or the sentinel) and its next."""
         if not self.writable:
             self._write()
-        prev, nxt, s = self.prev, self.next, self.sentinel
-        last = prev[s]
+        prev, nxt = self.prev, self.next
+        following = nxt[last]
         for b in ids:
             prev[b], nxt[last] = last, b
             last = b
-        nxt[last], prev[s] = s, last
+        nxt[last], prev[following] = following, last
         self.count += len(ids)
 
     def remove(self, b: int) -> None:

@@ -29,6 +29,8 @@ log.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import compress, repeat
 from typing import Any, NamedTuple
 
 from kvfunc.core._delta import COPY_INTO_NEW
@@ -147,14 +149,16 @@ def hit_fits(tr: Transient, i: int, entries: tuple[int, ...], hashes: Any, num_t
     if not g.traits[1]:  # a saved state: one block, copied, never shared
         return 0 if hash_of[entries[0]] == cache_key(digests[num_tokens // hbs - 1], tag) else None
     m = g.traits[0] // hbs
-    free = 0
-    for p, b in enumerate(entries):
-        if b:
-            if hash_of[b] != cache_key(digests[(p + 1) * m - 1], tag):
-                return None
-            if not refs[b]:
-                free += 1
-    return free
+    keys: Any = digests[m - 1:len(entries) * m:m]
+    held: Sequence[int] = entries
+    if 0 in entries:  # null entries (slid out of a window) need nothing
+        keep = list(map(bool, entries))
+        held, keys = list(compress(entries, keep)), list(compress(keys, keep))
+    if tag is not None:
+        keys = list(map(bytes.__add__, keys, repeat(tag)))
+    if list(map(hash_of.__getitem__, held)) != keys:
+        return None
+    return list(map(refs.__getitem__, held)).count(0)
 
 
 def cow_positions(tr: Transient, i: int, row: Row, computed: int, total: int) -> tuple[int, ...]:
