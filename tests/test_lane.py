@@ -166,3 +166,17 @@ def test_growing_past_a_fully_cached_table_caches_the_block_it_completes() -> No
     fast, slow = results
     assert fast.delta == slow.delta and fast.state == slow.state
     assert [op.block_id for op in fast.delta.operations() if type(op).__name__ == "Stored"] == [3]
+
+
+def test_a_quiet_call_answers_with_the_state_it_was_given_whichever_came_last() -> None:
+    """Quiet calls on two states in turn: each result holds its own input state (the
+    result of the last quiet call is reused only for the same state)."""
+    s0 = kf.KVState.create({"full": kf.FullAttention(num_blocks=16, block_size=4)}, 64)
+    a = kf.allocate_slots(s0, "r", 0, 3).state
+    b = kf.allocate_slots(a, "q", 0, 3).state
+    for state in (a, a, b, a, b, b):
+        r = kf.allocate_slots(state, "r", 2, 1)
+        assert r.ok and r.state is state and r.delta.is_empty
+    grown = kf.allocate_slots(a, "r", 3, 2)  # a new block: never the quiet answer
+    assert grown.state is not a and len(kf.get_block_ids(grown.state, "r")["full"]) == 2
+    assert kf.get_block_ids(a, "r")["full"] == (1,)

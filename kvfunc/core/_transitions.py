@@ -79,11 +79,14 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
     """
     if type(state) is not KVState:
         check_state(state)
-    elif (prefix_hit is None and manager_keys is None and reserved_tokens.__class__ is int
+    elif (prefix_hit is None and manager_keys is None and type(reserved_tokens) is int
           and not reserved_tokens and state._shape is not None
           and quiet(state.groups, state.max_model_len, state._shape[2], request_id,
                     computed_tokens, num_new_tokens, lookahead_tokens, block_hashes)):
-        return _new(AllocationResult, (True, state, EMPTY_DELTA))  # the lane, before opening
+        same = _QUIET[0]  # the lane, before opening: the state itself, as last time if it was
+        if same is None or same[1] is not state:
+            same = _QUIET[0] = _new(AllocationResult, (True, state, EMPTY_DELTA))
+        return same
     sink = DeltaBuilder()
     tr = Transient.open(state, sink)
     if (lookahead_tokens.__class__ is int and reserved_tokens.__class__ is int
@@ -94,14 +97,17 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
         refused = fold(tr, ((request_id, computed_tokens, num_new_tokens, lookahead_tokens,
                              reserved_tokens, manager_keys, block_hashes, prefix_hit),))
     if refused:
-        same = tr.settle()  # a refusal changed nothing: the working copy still reads ``state``
-        assert same is state, "a refused allocation changed the state"
+        kept = tr.settle()  # a refusal changed nothing: the working copy still reads ``state``
+        assert kept is state, "a refused allocation changed the state"
         return _new(AllocationResult, (False, state, EMPTY_DELTA))
     new = tr.settle()
     return _new(AllocationResult, (True, new, sink.build() if new is not state else EMPTY_DELTA))
 
 
 _new = tuple.__new__
+#: The last quiet call's result: the next quiet call on the same state returns it as it is
+#: (a result costs more to make than the lane's whole check).  One entry, no cycle.
+_QUIET: list[AllocationResult | None] = [None]
 
 
 def allocate_batch(state: KVState, requests: Iterable[Any], *, lookahead_tokens: int = 0,
