@@ -278,18 +278,22 @@ def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
         if rid not in refused and res.state.groups[0].row(rid) is not None:
             work.prioritize(rid, p)
     evicted = work.note_device(res.delta)
-    key, bs = state.group_key, state.block_size
     for rid, hit in admits.items():
-        if rid in refused or not hit.hashes:
-            continue
-        table = get_block_ids(res.state, rid)[key]
-        first, p = hit.device.num_tokens // bs, work.priorities.get(rid, 0)
-        for k, (src, block, d) in enumerate(zip(hit.sources, hit.host_block_ids, hit.hashes,
-                                                strict=True)):
-            work.start(HOST_TO_DEVICE if src == "host" else REMOTE_TO_DEVICE, d, block,
-                       table[first + k], rid, p)
+        if rid not in refused and hit.hashes:
+            _start_loads(work, rid, hit)
     follow_device(work, res.delta, evicted)
     return TieredResult(work.freeze(), work.sink.build(res.delta), res.refused)
+
+
+def _start_loads(work: TierWork, rid: RequestId, hit: TieredHit) -> None:
+    """One load per lower block of an admitted hit, into the device blocks it was given."""
+    bs = work.src.block_size
+    table = get_block_ids(work.device, rid)[work.src.group_key]
+    first, p = hit.device.num_tokens // bs, work.priorities.get(rid, 0)
+    for k, (src, block, d) in enumerate(zip(hit.sources, hit.host_block_ids, hit.hashes,
+                                            strict=True)):
+        work.start(HOST_TO_DEVICE if src == "host" else REMOTE_TO_DEVICE, d, block,
+                   table[first + k], rid, p)
 
 
 def follow_device(work: TierWork, delta: BlocksChanged, evicted: dict[int, int]) -> None:
