@@ -211,3 +211,26 @@ def test_create_refuses_what_tiers_cannot_serve() -> None:
                    {"remote": 1}, {"remote_blocks": 4}, {"remote": True, "remote_blocks": 0}):
         with pytest.raises(kf.KVFuncError):
             TieredState.create(_device(), **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_block_being_loaded_is_no_hit() -> None:
+    """While a load writes a device block, lookups stop before it and find the host copy."""
+    log = Log(TieredState.create(_device(9), host_blocks=8))
+    a = _tokens(1, 13)
+    log.run("a", a)
+    log.free("a")
+    log.run("b", _tokens(2, 32))
+    log.settle_all()
+    log.free("b")
+    log.run("a2", a)
+    assert loads_pending(log.state, "a2") == 3
+    h = BlockHashes.of(a, BS)
+    assert kf.lookup_prefix(log.state.device, h, max_tokens=12).num_tokens == 12  # raw device
+    hit = lookup_tiers(log.state, h, max_tokens=12)
+    assert (hit.device.num_tokens, hit.sources) == (0, ("host", "host", "host"))
+    res = log.run("a3", a)                      # loads again from the host, pinned twice
+    assert [m[1] for m in res.delta.moves()][:3] == ["host->device"] * 3
+    entry = log.state.host.index.get(h.hashes[0])
+    assert entry is not None and entry.pins == 2
+    log.settle_all()
+    assert lookup_tiers(log.state, h, max_tokens=12).device.num_tokens == 12
