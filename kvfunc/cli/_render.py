@@ -133,6 +133,9 @@ def render_simulation(result: SimulationResult, console: Console,
             f"[bold]{p.hit_rate:.1%}[/bold] (the trace's upper bound, an infinite cache: "
             f"{p.bound.hit_rate:.1%}); {p.recompute_hit_tokens:,} more hit after preemption; "
             f"blocks stored {p.stored_blocks:,}, evicted {p.evicted_blocks:,}")
+    if result.tiers is not None:
+        for line in result.tiers.lines(0 if p is None else p.prompt_tokens):
+            console.print(line)
     table = Table(show_edge=False)
     for header in ("pool", "groups", "usable\nblocks", "peak\nused", "peak", "mean\nused",
                    "mean"):

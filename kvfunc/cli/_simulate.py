@@ -25,10 +25,12 @@ from kvfunc.cli._inputs import check_state_size, show
 from kvfunc.cli._layout import PoolUsage, check_layout, default_layout, group_rows, pool_usage
 from kvfunc.cli._log import DeltaLogWriter
 from kvfunc.cli._mooncake import UpperBound, hit_rate, upper_bound
+from kvfunc.cli._offload import OffloadConfig, TierReport, tiered_state
 from kvfunc.cli._plan import (
     MAX_CONCURRENCY,
     Budget,
     PlanConfig,
+    entry_block_bytes,
     size_blocks,
     size_shared_blocks,
 )
@@ -70,6 +72,8 @@ class SimulationConfig:
             ``"per-type"`` (see :mod:`kvfunc.cli._layout`).
         cache_outputs: when output blocks are cached, ``"as-filled"`` or
             ``"at-release"`` (:attr:`~kvfunc.cli.SchedulerConfig.cache_outputs`).
+        offload: tiers behind the device cache (host memory, a Mooncake Store;
+            none by default, see :mod:`kvfunc.cli._offload`).
     """
 
     model: ModelPreset
@@ -84,6 +88,7 @@ class SimulationConfig:
     layout: str = attrs.field(
         default=attrs.Factory(lambda self: default_layout(self.model), takes_self=True))
     cache_outputs: str = "as-filled"
+    offload: OffloadConfig = attrs.field(factory=OffloadConfig)
 
     def __attrs_post_init__(self) -> None:
         checks = (("--concurrency", self.concurrency, MAX_CONCURRENCY),
@@ -112,6 +117,9 @@ class SimulationConfig:
         if self.cache_outputs not in CACHE_OUTPUTS:
             raise CLIError(f"--cache-outputs must be one of {', '.join(CACHE_OUTPUTS)}, got "
                            f"{show(self.cache_outputs)}")
+        if self.offload.enabled and not self.caches_prefixes:
+            raise CLIError("--host-memory and --remote need prefix caching on a trace that "
+                           "names its prompt blocks (a Mooncake trace)")
 
     @property
     def caches_prefixes(self) -> bool:
@@ -189,6 +197,7 @@ class SimulationResult:
     final_state: KVState
     series: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     prefix: PrefixReport | None = None
+    tiers: TierReport | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Plain data: settings, counters, usage per pool, the groups, allocator timings."""
@@ -201,6 +210,7 @@ class SimulationResult:
             "mtp_depth": cfg.model.next_n, "step_ms": cfg.step_ms, "speedup": cfg.speedup,
             "prefix_caching": cfg.caches_prefixes, "layout": cfg.layout,
             "prefix_cache": None if self.prefix is None else self.prefix.to_json(),
+            "tiers": None if self.tiers is None else self.tiers.to_json(),
             "num_blocks": self.num_blocks, **self.counters, "steps": self.steps,
             "simulated_s": round(self.simulated_s, 3), "wall_s": round(self.wall_s, 3),
             "allocator_us_per_step": {k: round(v, 2) for k, v in self.alloc_us.items()},
@@ -302,11 +312,14 @@ def run_simulation(config: SimulationConfig, *, record: IO[str] | None = None,
     requests = config.trace.requests
     prefix = (PrefixCacher(requests, hash_block_size(state), hash_fn=PREFIX_HASH_FN)
               if config.caches_prefixes else None)
+    tiers = (tiered_state(state, config.offload, block_bytes(config))
+             if config.offload.enabled else None)
     sched = Scheduler(state, requests, SchedulerConfig(
         max_num_seqs=config.concurrency, max_batched_tokens=config.max_batched_tokens,
         next_n=config.model.next_n, step_s=config.step_ms / 1000, speedup=config.speedup,
         cache_outputs=config.cache_outputs),
-        on_delta=_both(writer.write if writer is not None else None, on_delta), prefix=prefix)
+        on_delta=_both(writer.write if writer is not None else None, on_delta), prefix=prefix,
+        tiers=tiers)
     total = len(config.trace.requests)
     start = time.perf_counter()
     with _cycle_collector_paused():
@@ -334,7 +347,33 @@ def run_simulation(config: SimulationConfig, *, record: IO[str] | None = None,
         sched.steps, sched.clock, wall, alloc_us, tuple(sched.times),
         tuple(tuple(u) for u in sched.usage), sched.state,
         {name: tuple(values) for name, values in sched.series.items()},
-        _prefix_report(config, sched, hash_block_size(state)))
+        _prefix_report(config, sched, hash_block_size(state)), _tier_report(config, sched))
+
+
+def block_bytes(config: SimulationConfig) -> int:
+    """Bytes one block of the model's paged caches takes over every layer.
+
+    >>> from kvfunc.cli._presets import build_preset
+    >>> from kvfunc.cli._trace import synthetic_trace
+    >>> block_bytes(SimulationConfig(build_preset("llama-3-8b"), synthetic_trace(1),
+    ...                              Budget(2**33)))
+    2097152
+    """
+    return sum(entry_block_bytes(c) for _, c in config.model.cache_info.iter_caches()
+               if c.needs_block)
+
+
+def _tier_report(config: SimulationConfig, sched: Scheduler) -> TierReport | None:
+    tiers, counts, off = sched.tiers, sched.tier_counts, config.offload
+    if tiers is None:
+        return None
+    rate = config.max_batched_tokens / (config.step_ms / 1000)
+    return TierReport(
+        0 if tiers.host is None else tiers.host.num_blocks,
+        None if tiers.remote is None else tiers.remote.capacity, tiers.remote is not None,
+        block_bytes(config), tiers.block_size, tiers.write_policy, off.host_gbps,
+        off.remote_gbps, rate, dict(counts.hit_tokens), dict(counts.loaded_blocks),
+        dict(counts.stored_blocks), counts.loading_admissions)
 
 
 def _prefix_report(config: SimulationConfig, sched: Scheduler, block_size: int
