@@ -234,3 +234,36 @@ def test_a_block_being_loaded_is_no_hit() -> None:
     assert entry is not None and entry.pins == 2
     log.settle_all()
     assert lookup_tiers(log.state, h, max_tokens=12).device.num_tokens == 12
+
+
+def test_tier_events_name_their_medium() -> None:
+    """Done stores announce host and remote blocks; evictions and drops withdraw them."""
+    from kvfunc.events import MEDIUM_CPU, MEDIUM_REMOTE, BlockRemoved, BlockStored
+    from kvfunc.events import events_from_tier_delta
+
+    log = Log(TieredState.create(_device(5), host_blocks=3, remote=True, remote_blocks=2))
+    events = []
+    for n in range(1, 6):
+        rid, toks = f"r{n}", _tokens(n, 13)
+        for step in ("run", "free", "settle"):
+            before = log.state
+            if step == "run":
+                log.run(rid, toks)
+            elif step == "free":
+                log.free(rid)
+            else:
+                log.settle_all()
+            events += events_from_tier_delta(log.deltas[-1], before)
+    kinds = {(type(e).__name__, e.medium) for e in events}
+    assert {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", MEDIUM_CPU),
+            ("BlockRemoved", MEDIUM_CPU), ("BlockStored", MEDIUM_REMOTE),
+            ("BlockRemoved", MEDIUM_REMOTE)} <= kinds
+    held: dict[str, set[bytes]] = {"CPU": set(), "REMOTE": set()}
+    for e in events:
+        if e.medium in held:
+            if isinstance(e, BlockStored):
+                held[e.medium].update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                held[e.medium].difference_update(e.block_hashes)
+    assert held["CPU"] == set(log.state.host.index.entries)
+    assert held["REMOTE"] == set(log.state.remote.index.entries)
