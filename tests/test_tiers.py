@@ -238,8 +238,13 @@ def test_a_block_being_loaded_is_no_hit() -> None:
 
 def test_tier_events_name_their_medium() -> None:
     """Done stores announce host and remote blocks; evictions and drops withdraw them."""
-    from kvfunc.events import MEDIUM_CPU, MEDIUM_REMOTE, BlockRemoved, BlockStored
-    from kvfunc.events import events_from_tier_delta
+    from kvfunc.events import (
+        MEDIUM_CPU,
+        MEDIUM_REMOTE,
+        BlockRemoved,
+        BlockStored,
+        events_from_tier_delta,
+    )
 
     log = Log(TieredState.create(_device(5), host_blocks=3, remote=True, remote_blocks=2))
     events = []
