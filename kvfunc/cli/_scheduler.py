@@ -398,7 +398,7 @@ class Scheduler:
                 self.prompt_tokens += self.prompt[rid]
             if self.prefix is not None:
                 self.prefix.admitted(rid, entry[7], again=self.preempted[rid])
-            if type(entry[7]) is TieredHit:
+            if self.tiers is not None and type(entry[7]) is TieredHit:
                 self._count_hit(entry[7], again=self.preempted[rid])
         self._advance(batch)
         self.steps += 1
