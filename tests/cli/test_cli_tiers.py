@@ -72,3 +72,23 @@ def test_host_memory_hits_below_the_device(capsys: pytest.CaptureFixture[str]) -
     assert code == 0, err
     r = json.loads(out)["tiers"]
     assert r["remote"] and r["stored_blocks"]["remote"] > 0 and r["hit_tokens"]["remote"] > 0
+
+
+def test_capacity_sweep_sweeps_host_memory() -> None:
+    """With --host-memory, each sweep point keeps --memory and takes its own host memory."""
+    from kvfunc.cli._offload import OffloadConfig
+    from kvfunc.cli._plan import Budget
+    from kvfunc.cli._presets import build_preset
+    from kvfunc.cli._simulate import SimulationConfig
+    from kvfunc.cli._sweep import run_sweep
+    from kvfunc.cli._trace import load_trace
+
+    cfg = SimulationConfig(build_preset("deepseek-v3"),
+                           load_trace("mooncake-conversation", limit=120), Budget(8 * 2**30),
+                           offload=OffloadConfig(32 * 2**30))
+    sweep = run_sweep(cfg, points=2, jobs=1)
+    assert [p.host_memory_bytes >> 30 for p in sweep.points] == [16, 32]
+    assert {p.memory_bytes for p in sweep.points} == {8 * 2**30}
+    small, large = sweep.points
+    assert small.capacity_tokens < large.capacity_tokens
+    assert small.hit_tokens <= large.hit_tokens
