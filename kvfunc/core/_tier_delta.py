@@ -119,9 +119,10 @@ class TierDeltaBuilder:
 
     def build(self, device: BlocksChanged) -> TierDelta:
         """The delta of these rows after ``device``."""
-        columns: dict[str, list[Any]] = {}
+        families: dict[str, list[tuple[Any, ...]]] = {}
         for code, row in zip(self.codes, self.rows, strict=True):
-            for name, cell in zip(TIER_FAMILIES[code], row, strict=True):
-                columns.setdefault(name, []).append(cell)
-        return TierDelta(TIER_DELTA_VERSION, device, "".join(self.codes),
-                         **{name: tuple(cells) for name, cells in columns.items()})
+            families.setdefault(code, []).append(row)
+        columns: dict[str, tuple[Any, ...]] = {}
+        for code, rows in families.items():
+            columns.update(zip(TIER_FAMILIES[code], zip(*rows, strict=True), strict=True))
+        return TierDelta(TIER_DELTA_VERSION, device, "".join(self.codes), **columns)
