@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from kvfunc.core._checks import check_count, check_request_id, excerpt
+from kvfunc.core._checks import check_count, check_request_id, excerpt, is_request_id
 from kvfunc.core._delta import BlocksChanged
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
 from kvfunc.core._fold import SlotRequest
@@ -258,15 +258,15 @@ def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
     admits: dict[Any, TieredHit] = {}
     for e in requests:
         if isinstance(e, tuple) and len(e) == 8 and type(e[7]) is TieredHit:
+            entries.append(_admission(state, e))
             if e[0] in admits:
                 raise InvalidArgumentError(f"request {excerpt(e[0])} is admitted twice")
-            entries.append(_admission(state, e))
             admits[e[0]] = e[7]
         else:
             entries.append(e)
     if state.loads:
         for e in entries:
-            if isinstance(e, tuple) and e and e[0] in state.loads:
+            if isinstance(e, tuple) and e and is_request_id(e[0]) and e[0] in state.loads:
                 msg = f"request {excerpt(e[0])} has loads in flight: settle them first"
                 raise InvalidArgumentError(msg)
     res = allocate_batch(state.device, entries, block_hashes=block_hashes,
