@@ -31,10 +31,13 @@ import attrs
 
 from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import show
+from kvfunc.cli._plan import entry_block_bytes
+from kvfunc.cli._presets import ModelPreset
 from kvfunc.cli._units import format_bytes, parse_bytes
 from kvfunc.core import MAX_NUM_BLOCKS, WRITE_POLICIES, KVState, TieredState
 
-__all__ = ["OffloadConfig", "TierCounts", "TierReport", "parse_remote", "tiered_state"]
+__all__ = ["OffloadConfig", "TierCounts", "TierReport", "block_bytes", "parse_remote",
+           "tiered_state"]
 
 #: Default bandwidths in GB/s: PCIe 4.0 x16 for host memory, 100 Gb/s Ethernet remote.
 HOST_GBPS = 25.0
@@ -105,6 +108,17 @@ class OffloadConfig:
     def enabled(self) -> bool:
         """Whether the run has any tier below the device."""
         return bool(self.host_bytes) or self.remote
+
+
+def block_bytes(model: ModelPreset) -> int:
+    """Bytes one block of the model's paged caches takes over every layer.
+
+    >>> from kvfunc.cli._presets import build_preset
+    >>> block_bytes(build_preset("llama-3-8b")), block_bytes(build_preset("deepseek-v3"))
+    (2097152, 4571136)
+    """
+    return sum(entry_block_bytes(c) for _, c in model.cache_info.iter_caches()
+               if c.needs_block)
 
 
 def tiered_state(device: KVState, offload: OffloadConfig, block_bytes: int) -> TieredState:

@@ -34,14 +34,8 @@ blocks a request fills are cached as it goes, and a preempted request finds
 its own blocks when it is admitted again.  Without one, every prompt is
 prefilled in full.
 
-With a :class:`kvfunc.TieredState` (``tiers=``, see :mod:`kvfunc.cli._offload`)
-the same steps go through :func:`kvfunc.allocate_tiered` and
-:func:`kvfunc.free_tiered`, an admission looks up every tier
-(:func:`kvfunc.lookup_tiers`) and loads what it finds below the device, and
-every move a step started is reported done at the end of the step
-(:func:`kvfunc.complete_moves`).  :attr:`Scheduler.state` stays the device
-state; :attr:`Scheduler.tiers` is the tiered state, and
-:attr:`Scheduler.tier_counts` what the tiers did.
+:class:`~kvfunc.cli._tier_scheduler.TieredScheduler` adds tiers below the
+device through ``_allocate``, ``_free``, ``_lookup`` and two hooks.
 """
 
 from __future__ import annotations
@@ -53,25 +47,15 @@ from typing import Any
 
 import attrs
 
-from kvfunc.cli._offload import TierCounts
 from kvfunc.cli._prefix import PrefixCacher
 from kvfunc.cli._trace import TraceRequest
 from kvfunc.core import (
-    BatchResult,
     BlocksChanged,
     KVState,
     PrefixCacheStats,
-    PrefixHit,
-    TieredHit,
-    TieredResult,
-    TieredState,
     allocate_batch,
     allocate_slots,
-    allocate_tiered,
-    complete_moves,
     free_request,
-    free_tiered,
-    lookup_tiers,
 )
 
 __all__ = ["Scheduler", "SchedulerConfig", "fits_alone"]
@@ -156,16 +140,9 @@ class Scheduler:
     """
 
     def __init__(self, state: KVState, requests: Sequence[TraceRequest], config: SchedulerConfig,
-                 *, on_delta: DeltaSink | None = None, prefix: PrefixCacher | None = None,
-                 tiers: TieredState | None = None) -> None:
+                 *, on_delta: DeltaSink | None = None, prefix: PrefixCacher | None = None
+                 ) -> None:
         self.state = state
-        if tiers is not None and (tiers.device is not state or prefix is None):
-            raise ValueError("tiers need prefix caching and must wrap the scheduler's state")
-        #: The tiered state (its device is :attr:`state`), or None without tiers.
-        self.tiers = tiers
-        self._tiered: TieredResult | None = None  # the last tiered allocation
-        #: What the tiers did (hits by tier, loads, stores).
-        self.tier_counts = TierCounts()
         self.config = config
         # The empty state, to check that a request fits at all (see fits_alone), and the
         # longest request known to fit and the shortest known not to.
@@ -228,12 +205,7 @@ class Scheduler:
     def _allocate(self, state: KVState, batch: list[tuple[Any, ...]]) -> Any:
         hashes = None if self.prefix is None else self.prefix.live
         t0 = time.perf_counter()
-        if self.tiers is None:
-            res = allocate_batch(state, batch, block_hashes=hashes)
-        else:
-            assert self.tiers.device is state
-            self._tiered = tiered = allocate_tiered(self.tiers, batch, block_hashes=hashes)
-            res = BatchResult(tiered.state.device, tiered.delta.device, tiered.refused)
+        res = allocate_batch(state, batch, block_hashes=hashes)
         self._spent += time.perf_counter() - t0
         return res
 
@@ -242,16 +214,19 @@ class Scheduler:
         if self.prefix is not None and not self._as_filled:
             hashes = self.prefix.hashes(rid, self.computed[rid])
         t0 = time.perf_counter()
-        if self.tiers is None:
-            state, delta = free_request(state, rid, block_hashes=hashes)
-        else:
-            assert self.tiers.device is state
-            self.tiers, tiered = free_tiered(self.tiers, rid, block_hashes=hashes)
-            state, delta = self.tiers.device, tiered.device
-            self.tier_counts.moved(tiered.moved_directions)
+        state, delta = free_request(state, rid, block_hashes=hashes)
         self._spent += time.perf_counter() - t0
         self._emit(delta)
         return state
+
+    def _lookup(self, state: KVState, rid: int, target: int) -> Any:
+        return self.prefix.lookup(state, rid, target)  # type: ignore[union-attr]
+
+    def _stepped(self) -> None:  # a hook: the step's allocation is now self.state
+        pass
+
+    def _admitted(self, entry: tuple[Any, ...], *, again: bool) -> None:  # a hook
+        pass
 
     # -- the step ----------------------------------------------------------------------------
     def _servable(self, rid: int) -> bool:
@@ -314,12 +289,7 @@ class Scheduler:
                 batch.append((rid, 0, chunk))
             else:
                 t0 = time.perf_counter()
-                hit: PrefixHit | TieredHit
-                if self.tiers is None:
-                    hit = prefix.lookup(state, rid, target)
-                else:
-                    hit = lookup_tiers(self.tiers, prefix.hashes(rid, target),
-                                       max_tokens=target - 1)
+                hit = self._lookup(state, rid, target)
                 self._spent += time.perf_counter() - t0
                 chunk = min(target - hit.num_tokens, budget)
                 batch.append((rid, hit.num_tokens, chunk, 0, 0, None,
@@ -388,8 +358,7 @@ class Scheduler:
         self._spent = 0.0
         res, batch, num_admitted = self._plan_step()
         self.state = res.state
-        if self.tiers is not None:
-            self._settle()
+        self._stepped()
         self._emit(res.delta)
         for entry in batch[len(batch) - num_admitted:]:
             rid = self.waiting.popleft()
@@ -398,8 +367,7 @@ class Scheduler:
                 self.prompt_tokens += self.prompt[rid]
             if self.prefix is not None:
                 self.prefix.admitted(rid, entry[7], again=self.preempted[rid])
-            if self.tiers is not None and type(entry[7]) is TieredHit:
-                self._count_hit(entry[7], again=self.preempted[rid])
+            self._admitted(entry, again=self.preempted[rid])
         self._advance(batch)
         self.steps += 1
         self.clock += self.config.step_s
@@ -410,30 +378,6 @@ class Scheduler:
             used.append(capacity - pool.num_free)
         self._record()
         return len(batch)
-
-    def _settle(self) -> None:
-        """Adopt the step's tiered state and report every move it started done."""
-        tiered = self._tiered
-        assert tiered is not None and tiered.state.device is self.state
-        self.tier_counts.moved(tiered.delta.moved_directions)
-        t0 = time.perf_counter()
-        done = complete_moves(tiered.state, done=tuple(tiered.state.moves))
-        self._spent += time.perf_counter() - t0
-        self.tier_counts.moved(done.delta.moved_directions)
-        if done.state.moves:  # write-through: the remote stores of the host stores just done
-            done = complete_moves(done.state, done=tuple(done.state.moves))
-        self.tiers = done.state
-
-    def _count_hit(self, hit: TieredHit, *, again: bool) -> None:
-        counts, bs = self.tier_counts, (self.tiers.block_size if self.tiers else 1)
-        if hit.sources:
-            counts.loading_admissions += 1
-            counts.loaded_blocks["host"] += hit.host_blocks
-            counts.loaded_blocks["remote"] += hit.remote_blocks
-        if not again:
-            counts.hit_tokens["device"] += hit.device.num_tokens
-            counts.hit_tokens["host"] += hit.host_blocks * bs
-            counts.hit_tokens["remote"] += hit.remote_blocks * bs
 
     def _record(self) -> None:
         series, prefix = self.series, self.prefix

@@ -25,18 +25,18 @@ from kvfunc.cli._inputs import check_state_size, show
 from kvfunc.cli._layout import PoolUsage, check_layout, default_layout, group_rows, pool_usage
 from kvfunc.cli._log import DeltaLogWriter
 from kvfunc.cli._mooncake import UpperBound, hit_rate, upper_bound
-from kvfunc.cli._offload import OffloadConfig, TierReport, tiered_state
+from kvfunc.cli._offload import OffloadConfig, TierReport, block_bytes, tiered_state
 from kvfunc.cli._plan import (
     MAX_CONCURRENCY,
     Budget,
     PlanConfig,
-    entry_block_bytes,
     size_blocks,
     size_shared_blocks,
 )
 from kvfunc.cli._prefix import PrefixCacher, hash_block_size
 from kvfunc.cli._presets import MAX_MODEL_LEN, ModelPreset
 from kvfunc.cli._scheduler import CACHE_OUTPUTS, Scheduler, SchedulerConfig
+from kvfunc.cli._tier_scheduler import TieredScheduler, tier_report
 from kvfunc.cli._trace import Trace
 from kvfunc.core import BlocksChanged, KVState
 
@@ -312,14 +312,17 @@ def run_simulation(config: SimulationConfig, *, record: IO[str] | None = None,
     requests = config.trace.requests
     prefix = (PrefixCacher(requests, hash_block_size(state), hash_fn=PREFIX_HASH_FN)
               if config.caches_prefixes else None)
-    tiers = (tiered_state(state, config.offload, block_bytes(config))
+    tiers = (tiered_state(state, config.offload, block_bytes(config.model))
              if config.offload.enabled else None)
-    sched = Scheduler(state, requests, SchedulerConfig(
+    sched_config = SchedulerConfig(
         max_num_seqs=config.concurrency, max_batched_tokens=config.max_batched_tokens,
         next_n=config.model.next_n, step_s=config.step_ms / 1000, speedup=config.speedup,
-        cache_outputs=config.cache_outputs),
-        on_delta=_both(writer.write if writer is not None else None, on_delta), prefix=prefix,
-        tiers=tiers)
+        cache_outputs=config.cache_outputs)
+    sink = _both(writer.write if writer is not None else None, on_delta)
+    sched = (Scheduler(state, requests, sched_config, on_delta=sink, prefix=prefix)
+             if tiers is None or prefix is None else
+             TieredScheduler(state, requests, sched_config, on_delta=sink, prefix=prefix,
+                             tiers=tiers))
     total = len(config.trace.requests)
     start = time.perf_counter()
     with _cycle_collector_paused():
@@ -350,30 +353,13 @@ def run_simulation(config: SimulationConfig, *, record: IO[str] | None = None,
         _prefix_report(config, sched, hash_block_size(state)), _tier_report(config, sched))
 
 
-def block_bytes(config: SimulationConfig) -> int:
-    """Bytes one block of the model's paged caches takes over every layer.
-
-    >>> from kvfunc.cli._presets import build_preset
-    >>> from kvfunc.cli._trace import synthetic_trace
-    >>> block_bytes(SimulationConfig(build_preset("llama-3-8b"), synthetic_trace(1),
-    ...                              Budget(2**33)))
-    2097152
-    """
-    return sum(entry_block_bytes(c) for _, c in config.model.cache_info.iter_caches()
-               if c.needs_block)
-
-
 def _tier_report(config: SimulationConfig, sched: Scheduler) -> TierReport | None:
-    tiers, counts, off = sched.tiers, sched.tier_counts, config.offload
-    if tiers is None:
+    if not isinstance(sched, TieredScheduler):
         return None
-    rate = config.max_batched_tokens / (config.step_ms / 1000)
-    return TierReport(
-        0 if tiers.host is None else tiers.host.num_blocks,
-        None if tiers.remote is None else tiers.remote.capacity, tiers.remote is not None,
-        block_bytes(config), tiers.block_size, tiers.write_policy, off.host_gbps,
-        off.remote_gbps, rate, dict(counts.hit_tokens), dict(counts.loaded_blocks),
-        dict(counts.stored_blocks), counts.loading_admissions)
+    off = config.offload
+    return tier_report(sched, block_bytes=block_bytes(config.model), host_gbps=off.host_gbps,
+                       remote_gbps=off.remote_gbps,
+                       prefill_tokens_per_s=config.max_batched_tokens / (config.step_ms / 1000))
 
 
 def _prefix_report(config: SimulationConfig, sched: Scheduler, block_size: int
