@@ -243,6 +243,7 @@ def test_tier_events_name_their_medium() -> None:
         MEDIUM_REMOTE,
         BlockRemoved,
         BlockStored,
+        CachedBlocksView,
         events_from_tier_delta,
     )
 
@@ -272,3 +273,4 @@ def test_tier_events_name_their_medium() -> None:
                 held[e.medium].difference_update(e.block_hashes)
     assert held["CPU"] == set(log.state.host.index.entries)
     assert held["REMOTE"] == set(log.state.remote.index.entries)
+    assert CachedBlocksView().apply(events).matches(log.state.device)  # the device's alone
