@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvfunc as kf
 from kvfunc import (
@@ -274,3 +276,34 @@ def test_tier_events_name_their_medium() -> None:
     assert held["CPU"] == set(log.state.host.index.entries)
     assert held["REMOTE"] == set(log.state.remote.index.entries)
     assert CachedBlocksView().apply(events).matches(log.state.device)  # the device's alone
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["admit", "free"]),
+                              st.lists(st.integers(0, 2), min_size=1, max_size=14)),
+                    max_size=12),
+       num_blocks=st.integers(2, 8))
+def test_without_tiers_a_tiered_run_is_the_device_run(ops: list[tuple[str, list[int]]],
+                                                       num_blocks: int) -> None:
+    """With no host and no remote tier, every state and delta is the plain core's."""
+    dev = _device(num_blocks)
+    tiered = TieredState.create(dev)
+    live: list[str] = []
+    for n, (op, tokens) in enumerate(ops):
+        if op == "free" and live:
+            rid = live.pop(0)
+            dev, d1 = kf.free_request(dev, rid)
+            tiered, d2 = free_tiered(tiered, rid)
+        else:
+            rid = f"r{n}"
+            h = BlockHashes.of(tokens, BS)
+            hit = kf.lookup_prefix(dev, h, max_tokens=len(tokens) - 1)
+            thit = lookup_tiers(tiered, h, max_tokens=len(tokens) - 1)
+            assert thit.device == hit and thit.num_tokens == hit.num_tokens and not thit.sources
+            new = len(tokens) - hit.num_tokens
+            plain = kf.allocate_batch(dev, [(rid, hit.num_tokens, new, 0, 0, None, h, hit)])
+            res = allocate_tiered(tiered, [(rid, hit.num_tokens, new, 0, 0, None, h, thit)])
+            assert res.refused == plain.refused
+            dev, d1, tiered, d2 = plain.state, plain.delta, res.state, res.delta
+            live += [] if plain.refused else [rid]
+        assert tiered.device == dev and d2.device == d1 and not d2.order
+        check_tiered_invariants(tiered)
