@@ -167,13 +167,13 @@ def _apply(work: TierWork, code: str, row: tuple[Any, ...]) -> None:
         work.settle(move_id, outcome == "done")
     elif code == "V":
         block, digest = row
-        entry = None if work.host is None else work.host.index.get(digest)
+        entry = work.h_index.get(digest) if work.has_host else None
         if entry is None or entry.block != block or entry.pins:
             raise ReplayMismatchError(f"host block {block} does not hold {digest!r}")
         work.evict_host(digest)
     else:
         (digest,) = row
-        entry = None if work.remote is None else work.remote.index.get(digest)
+        entry = work.r_index.get(digest) if work.has_remote else None
         if entry is None or entry.pins:
             raise ReplayMismatchError(f"the remote directory cannot drop {digest!r}")
         work.drop_remote(digest)

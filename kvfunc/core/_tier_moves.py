@@ -106,8 +106,8 @@ def complete_moves(state: TieredState, *, done: Iterable[int] = (),
             work.store_remote(move.digest, move.dst, move.priority)
     for i in bad:
         move = work.settle(i, False)
-        if move.direction == REMOTE_TO_DEVICE and work.remote is not None:
-            entry = work.remote.index.get(move.digest)
+        if move.direction == REMOTE_TO_DEVICE:
+            entry = work.r_index.get(move.digest)
             if entry is not None and not entry.pins:
                 work.drop_remote(move.digest)
     return MovesResult(work.freeze(), work.sink.build(delta or EMPTY_DELTA), recompute)

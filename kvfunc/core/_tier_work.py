@@ -30,13 +30,24 @@ __all__ = ["TierWork"]
 
 
 class TierWork:
-    """A tiered state's fields being changed by one transition (see the module docstring)."""
+    """A tiered state's fields being changed by one transition (see the module docstring).
+
+    The tiers' parts are kept apart (``h_*`` for the host tier, ``r_*`` for the
+    remote one) so that a primitive replaces one value, not a tier record;
+    :attr:`host` and :attr:`remote` build the records on access.
+    """
 
     def __init__(self, state: TieredState) -> None:
         self.src = state
         self.device = state.device
-        self.host = state.host
-        self.remote = state.remote
+        host, remote = state.host, state.remote
+        self.has_host = host is not None
+        if host is not None:
+            self.h_index, self.h_free, self.h_num_free = host.index, host.free, host.num_free
+            self.h_pending = host.pending
+        self.has_remote = remote is not None
+        if remote is not None:
+            self.r_index, self.r_pending = remote.index, remote.pending
         self.moves = state.moves
         self.next_move_id = state.next_move_id
         self.priorities = state.priorities
@@ -44,6 +55,21 @@ class TierWork:
         self.device_pending = state.device_pending
         self.loads = state.loads
         self.sink = TierDeltaBuilder()
+
+    @property
+    def host(self) -> HostTier | None:
+        """The host tier as it stands."""
+        src = self.src.host
+        if src is None:
+            return None
+        return HostTier(src.num_blocks, self.h_index, self.h_free, self.h_num_free,
+                        self.h_pending)
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        """The remote tier as it stands."""
+        src = self.src.remote
+        return None if src is None else RemoteTier(src.capacity, self.r_index, self.r_pending)
 
     def freeze(self) -> TieredState:
         """The new state."""
@@ -70,26 +96,30 @@ class TierWork:
         self.sink.add("M", move_id, direction, digest, src, dst, request_id, priority)
         pinned = True
         if direction == DEVICE_TO_HOST:
-            self.host = _take(_need(self.host), digest, dst)
+            self._need(self.has_host)
+            n = self.h_num_free
+            if not n or self.h_free[n - 1] != dst or digest in self.h_pending:
+                raise ReplayMismatchError(f"host block {dst} is not the next free block")
+            self.h_num_free = n - 1
+            self.h_pending = self.h_pending.set(digest, dst)
         elif direction == HOST_TO_REMOTE:
-            remote = _need(self.remote)
-            entry = None if self.host is None else self.host.index.get(digest)
+            self._need(self.has_remote)
+            entry = self.h_index.get(digest) if self.has_host else None
             pinned = entry is not None and entry.block == src
             if pinned:
-                self._pin_host(digest, 1)
-            self.remote = RemoteTier(remote.capacity, remote.index,
-                                     remote.pending.set(digest, move_id))
+                self.h_index = self.h_index.pin(digest)
+            self.r_pending = self.r_pending.set(digest, move_id)
         else:
             if direction == HOST_TO_DEVICE:
-                self._pin_host(digest, 1)
+                self._need(self.has_host)
+                self.h_index = self.h_index.pin(digest)
             else:
-                remote = _need(self.remote)
-                self.remote = RemoteTier(remote.capacity, remote.index.pin(digest),
-                                         remote.pending)
+                self._need(self.has_remote)
+                self.r_index = self.r_index.pin(digest)
             self.device_pending = self.device_pending.set(dst, move_id)
             self.loads = self.loads.set(request_id, self.loads.get(request_id, 0) + 1)
         self.moves = self.moves.set(move_id, TierMove(direction, digest, src, dst, request_id,
-                                                  priority, pinned))
+                                                      priority, pinned))
         self.next_move_id = move_id + 1
         return move_id
 
@@ -100,28 +130,22 @@ class TierWork:
         self.moves = self.moves.delete(move_id)
         direction, digest = move.direction, move.digest
         if direction == DEVICE_TO_HOST:
-            host = _need(self.host)
-            pending = host.pending.delete(digest)
+            self.h_pending = self.h_pending.delete(digest)
             if ok:
-                self.host = HostTier(host.num_blocks, host.index.add(digest, move.dst,
-                                                                     move.priority),
-                                     host.free, host.num_free, pending)
+                self.h_index = self.h_index.add(digest, move.dst, move.priority)
             else:
-                self.host = _give(HostTier(host.num_blocks, host.index, host.free,
-                                           host.num_free, pending), move.dst)
+                self._give(move.dst)
         elif direction == HOST_TO_REMOTE:
-            remote = _need(self.remote)
-            index = remote.index.add(digest, -1, move.priority) if ok else remote.index
-            self.remote = RemoteTier(remote.capacity, index, remote.pending.delete(digest))
+            if ok:
+                self.r_index = self.r_index.add(digest, -1, move.priority)
+            self.r_pending = self.r_pending.delete(digest)
             if move.pinned:
-                self._pin_host(digest, -1)
+                self.h_index = self.h_index.unpin(digest)
         else:
             if direction == HOST_TO_DEVICE:
-                self._pin_host(digest, -1)
+                self.h_index = self.h_index.unpin(digest)
             else:
-                remote = _need(self.remote)
-                self.remote = RemoteTier(remote.capacity, remote.index.unpin(digest),
-                                         remote.pending)
+                self.r_index = self.r_index.unpin(digest)
             self.device_pending = self.device_pending.delete(move.dst)
             left = self.loads[move.request_id] - 1
             self.loads = (self.loads.set(move.request_id, left) if left
@@ -130,18 +154,18 @@ class TierWork:
 
     def evict_host(self, digest: bytes) -> int:
         """The host tier forgets ``digest``; its block is free again.  Returns the block."""
-        host = _need(self.host)
-        block: int = host.index.entries[digest].block
+        self._need(self.has_host)
+        block: int = self.h_index.entries[digest].block
         self.sink.add("V", block, digest)
-        self.host = _give(HostTier(host.num_blocks, host.index.remove(digest), host.free,
-                                   host.num_free, host.pending), block)
+        self.h_index = self.h_index.remove(digest)
+        self._give(block)
         return block
 
     def drop_remote(self, digest: bytes) -> None:
         """The remote directory forgets ``digest``."""
         self.sink.add("W", digest)
-        remote = _need(self.remote)
-        self.remote = RemoteTier(remote.capacity, remote.index.remove(digest), remote.pending)
+        self._need(self.has_remote)
+        self.r_index = self.r_index.remove(digest)
 
     def note_device(self, delta: BlocksChanged) -> dict[int, int]:
         """Follow the device's caching: priorities of stored blocks, forgotten on eviction.
@@ -166,59 +190,41 @@ class TierWork:
         self.block_priorities = bp
         return evicted
 
-    def _pin_host(self, digest: bytes, by: int) -> None:
-        host = _need(self.host)
-        index = host.index.pin(digest) if by > 0 else host.index.unpin(digest)
-        self.host = HostTier(host.num_blocks, index, host.free, host.num_free, host.pending)
+    def _give(self, block: int) -> None:
+        """Host block ``block`` is free again (on top of the stack)."""
+        n, free = self.h_num_free, self.h_free
+        self.h_free = free.set(n, block) if n < len(free) else free.append(block)
+        self.h_num_free = n + 1
+
+    @staticmethod
+    def _need(has: bool) -> None:
+        if not has:
+            raise ReplayMismatchError("a tier operation names a tier the state does not have")
 
     # -- decisions (live transitions only) -----------------------------------------------------
     def store_host(self, digest: bytes, src: int, priority: int) -> None:
         """Copy device block ``src`` down to the host tier, unless it is there or cannot be."""
-        host = self.host
-        if host is None or digest in host.pending or host.index.get(digest) is not None:
+        if not self.has_host or digest in self.h_pending or digest in self.h_index.entries:
             return
-        if not host.num_free:
-            victim = host.index.victim()
+        if not self.h_num_free:
+            victim = self.h_index.victim()
             if victim is None:
                 return  # every host block is pinned or being written
-            entry = host.index.entries[victim]
+            entry = self.h_index.entries[victim]
             block = self.evict_host(victim)
             if self.src.write_policy == "write-back":
                 self.store_remote(victim, block, entry.priority)
-        host = self.host
-        assert host is not None
-        self.start(DEVICE_TO_HOST, digest, src, host.free[host.num_free - 1], None, priority)
+        self.start(DEVICE_TO_HOST, digest, src, self.h_free[self.h_num_free - 1], None,
+                   priority)
 
     def store_remote(self, digest: bytes, src: int, priority: int) -> None:
         """Copy host block ``src`` to the remote tier, unless it is there or cannot be."""
-        remote = self.remote
-        if remote is None or digest in remote.pending or remote.index.get(digest) is not None:
+        if not self.has_remote or digest in self.r_pending or digest in self.r_index.entries:
             return
-        if remote.capacity is not None and remote.num_blocks >= remote.capacity:
-            victim = remote.index.victim()
+        capacity = self.src.remote.capacity  # type: ignore[union-attr]
+        if capacity is not None and len(self.r_index) + len(self.r_pending) >= capacity:
+            victim = self.r_index.victim()
             if victim is None:
                 return
             self.drop_remote(victim)
         self.start(HOST_TO_REMOTE, digest, src, -1, None, priority)
-
-
-def _need(tier: Any) -> Any:
-    if tier is None:
-        raise ReplayMismatchError("a tier operation names a tier the state does not have")
-    return tier
-
-
-def _take(host: HostTier, digest: bytes, block: int) -> HostTier:
-    """The host tier with free block ``block`` (the top of the stack) being written."""
-    if not host.num_free or host.free[host.num_free - 1] != block or digest in host.pending:
-        raise ReplayMismatchError(f"host block {block} is not the next free block")
-    return HostTier(host.num_blocks, host.index, host.free, host.num_free - 1,
-                    host.pending.set(digest, block))
-
-
-def _give(host: HostTier, block: int) -> HostTier:
-    """The host tier with ``block`` free again (on top of the stack)."""
-    n = host.num_free
-    free = host.free.set(n, block) if n < len(host.free) else host.free.append(block)
-    return HostTier(host.num_blocks, host.index, free, n + 1, host.pending)
-

@@ -298,7 +298,7 @@ def _start_loads(work: TierWork, rid: RequestId, hit: TieredHit) -> None:
 
 def follow_device(work: TierWork, delta: BlocksChanged, evicted: dict[int, int]) -> None:
     """Start the stores the write policy asks for after the device did ``delta``."""
-    if work.host is None or not (delta.evicted_block_ids or delta.stored_block_ids):
+    if not work.has_host or not (delta.evicted_block_ids or delta.stored_block_ids):
         return
     if work.src.write_policy == "write-back":
         if not delta.evicted_block_ids:
