@@ -106,3 +106,38 @@ def test_replay_refuses_a_log_that_does_not_fit() -> None:
     done = kf.complete_moves(r.state, done=list(r.state.moves))
     with pytest.raises(kf.ReplayMismatchError):
         kf.replay_tiered(STATE, [done.delta])
+
+
+FIELDS = ("moved_ids", "moved_directions", "moved_hashes", "moved_src_block_ids",
+          "moved_dst_block_ids", "moved_request_ids", "moved_priorities",
+          "prioritized_request_ids", "prioritized_priorities", "settled_ids",
+          "settled_outcomes", "order")
+
+
+@given(field=st.sampled_from(FIELDS), index=st.integers(0, 3), bad=junk())
+def test_a_tampered_log_is_refused_or_replays(field: str, index: int, bad: object) -> None:
+    """A log with one cell replaced by junk is a ReplayMismatchError, or replays as written."""
+    import attrs
+
+    r = kf.allocate_tiered(STATE, [("c", 12, 1, 0, 0, None, HASHES, HIT)], priorities={"c": 2})
+    done = kf.complete_moves(r.state, done=list(r.state.moves)[:2])
+    deltas = [r.delta, done.delta]
+    k = index % 2
+    column = getattr(deltas[k], field)
+    if not column:
+        return
+    if field == "order":
+        cells = list(column)
+        cells[index % len(cells)] = bad if isinstance(bad, str) else "Q"
+        value: Any = "".join(map(str, cells))
+    else:
+        cells = list(column)
+        cells[index % len(cells)] = bad
+        value = tuple(cells)
+    deltas[k] = attrs.evolve(deltas[k], **{field: value})
+    try:
+        final = kf.replay_tiered(STATE, deltas)
+    except kf.ReplayMismatchError as exc:
+        assert len(str(exc)) < SHORT
+    else:
+        kf.check_tiered_invariants(final)

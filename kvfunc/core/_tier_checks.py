@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from kvfunc.core._checks import excerpt
-from kvfunc.core._errors import InvalidTypeError, ReplayMismatchError
+from kvfunc.core._checks import excerpt, is_request_id
+from kvfunc.core._errors import InvalidTypeError, KVFuncError, ReplayMismatchError
 from kvfunc.core._invariants import check_invariants
 from kvfunc.core._replay import replay
 from kvfunc.core._tier_delta import TIER_DELTA_VERSION, TierDelta
@@ -126,22 +126,23 @@ def replay_tiered(state: TieredState, deltas: Iterable[TierDelta]) -> TieredStat
         if type(d) is not TierDelta:
             raise InvalidTypeError(f"deltas[{n}] is not a TierDelta: {excerpt(d)}")
         if d.version != TIER_DELTA_VERSION:
-            raise ReplayMismatchError(f"deltas[{n}] has version {d.version!r}")
+            raise ReplayMismatchError(f"deltas[{n}] has version {excerpt(d.version)}")
         work = TierWork(state)
         work.device = replay(state.device, [d.device])
         try:
             rows = list(d.rows())
             k = 0
             while k < len(rows) and rows[k][0] == "P":
-                work.prioritize(*rows[k][1])
+                _apply(work, "P", rows[k][1])
                 k += 1
             work.note_device(d.device)
             for code, row in rows[k:]:
                 _apply(work, code, row)
         except ReplayMismatchError:
             raise
-        except (KeyError, IndexError, ValueError, TypeError, AssertionError) as exc:
-            raise ReplayMismatchError(f"deltas[{n}] does not fit the state: {exc!r}") from exc
+        except (KeyError, IndexError, ValueError, TypeError, AssertionError, KVFuncError) as exc:
+            raise ReplayMismatchError(f"deltas[{n}] does not fit the state: "
+                                      f"{type(exc).__name__}: {excerpt(str(exc))}") from exc
         state = work.freeze()
     return state
 
@@ -149,31 +150,43 @@ def replay_tiered(state: TieredState, deltas: Iterable[TierDelta]) -> TieredStat
 def _apply(work: TierWork, code: str, row: tuple[Any, ...]) -> None:
     """One tier row of a log, through the transitions' primitive (checked where it matters)."""
     if code == "P":
+        if not is_request_id(row[0]) or type(row[1]) is not int:
+            raise ReplayMismatchError(f"a priority row of a wrong type: {excerpt(row)}")
         work.prioritize(*row)
     elif code == "G":
         work.forget(*row)
     elif code == "M":
         move_id, direction, digest, src, dst, rid, priority = row
         if move_id != work.next_move_id or direction not in DIRECTIONS:
-            raise ReplayMismatchError(f"move {move_id!r} ({direction!r}) is not the next move")
+            raise ReplayMismatchError(f"move {excerpt(move_id)} ({excerpt(direction)}) is not the "
+                                      "next move")
+        if (type(digest) is not bytes or not digest or type(src) is not int
+                or type(dst) is not int or type(priority) is not int
+                or (rid is not None and not is_request_id(rid))):
+            raise ReplayMismatchError(f"move {excerpt(move_id)} has a cell of a wrong type: "
+                                      f"{excerpt(row)}")
         if direction in (HOST_TO_DEVICE, REMOTE_TO_DEVICE) and (
-                work.device_pending.get(dst) is not None):
-            raise ReplayMismatchError(f"device block {dst} is loaded twice")
+                work.device_pending.get(dst) is not None or rid is None
+                or dst not in get_block_ids(work.device, rid)[work.src.group_key]):
+            msg = f"device block {excerpt(dst)} is loaded twice, or not for its request"
+            raise ReplayMismatchError(msg)
         work.start(direction, digest, src, dst, rid, priority)
     elif code == "K":
         move_id, outcome = row
         if move_id not in work.moves or outcome not in ("done", "failed"):
-            raise ReplayMismatchError(f"move {move_id!r} is not pending ({outcome!r})")
+            msg = f"move {excerpt(move_id)} is not pending ({excerpt(outcome)})"
+            raise ReplayMismatchError(msg)
         work.settle(move_id, outcome == "done")
     elif code == "V":
         block, digest = row
         entry = work.h_index.get(digest) if work.has_host else None
         if entry is None or entry.block != block or entry.pins:
-            raise ReplayMismatchError(f"host block {block} does not hold {digest!r}")
+            msg = f"host block {excerpt(block)} does not hold {excerpt(digest)}"
+            raise ReplayMismatchError(msg)
         work.evict_host(digest)
     else:
         (digest,) = row
         entry = work.r_index.get(digest) if work.has_remote else None
         if entry is None or entry.pins:
-            raise ReplayMismatchError(f"the remote directory cannot drop {digest!r}")
+            raise ReplayMismatchError(f"the remote directory cannot drop {excerpt(digest)}")
         work.drop_remote(digest)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvfunc.core._checks import excerpt
 from kvfunc.core._delta import BlocksChanged
 from kvfunc.core._errors import ReplayMismatchError
 from kvfunc.core._ops import Evicted, Stored
@@ -99,7 +100,7 @@ class TierWork:
             self._need(self.has_host)
             n = self.h_num_free
             if not n or self.h_free[n - 1] != dst or digest in self.h_pending:
-                raise ReplayMismatchError(f"host block {dst} is not the next free block")
+                raise ReplayMismatchError(f"host block {excerpt(dst)} is not the next free block")
             self.h_num_free = n - 1
             self.h_pending = self.h_pending.set(digest, dst)
         elif direction == HOST_TO_REMOTE:
