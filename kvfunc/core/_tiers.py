@@ -54,7 +54,9 @@ refuses an entry for it with :class:`~kvfunc.InvalidArgumentError`.
 
 **Retention priority**: ``priorities={request_id: p}`` gives a request's
 cached blocks priority ``p`` (default 0) in the host and remote tiers, which
-evict lower priorities first.  The device pool's own eviction order is
+evict lower priorities first.  A block keeps the priority of the request
+that cached it on the device (the ``Stored`` row's request), down every tier;
+a later hit does not change it.  The device pool's own eviction order is
 unchanged.
 """
 
