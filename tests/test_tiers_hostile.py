@@ -60,6 +60,8 @@ def test_junk_entries_and_priorities(bad: object) -> None:
         lambda: kf.allocate_tiered(STATE, [("c", 12, 1, 0, 0, None, HASHES, bad)]),
         lambda: kf.allocate_tiered(STATE, [(bad, 12, 1, 0, 0, None, HASHES, HIT)]),
         lambda: kf.allocate_tiered(LOADING, [(bad, 12, 1)]),
+        lambda: kf.allocate_tiered(STATE, bad),  # type: ignore[arg-type]
+        lambda: kf.allocate_tiered(STATE, [bad]),
         lambda: kf.allocate_tiered(STATE, [("c", bad, 1, 0, 0, None, HASHES, HIT)]),
         lambda: kf.allocate_tiered(STATE, [("c", 12, 1, 0, 0, None, bad, HIT)]),
         lambda: kf.allocate_tiered(STATE, [("c", 0, 1)], priorities={"c": bad}),

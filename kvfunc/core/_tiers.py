@@ -256,6 +256,8 @@ def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
     """
     check_tiered(state)
     prio = _check_priorities(priorities)
+    if isinstance(requests, str | bytes) or not isinstance(requests, Iterable):
+        raise InvalidTypeError(f"requests must be an iterable of entries, got {excerpt(requests)}")
     entries: list[Any] = []
     admits: dict[Any, TieredHit] = {}
     for e in requests:
