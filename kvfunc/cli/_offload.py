@@ -84,6 +84,14 @@ class OffloadConfig:
         host_gbps: host <-> device bandwidth in GB/s (PCIe).
         remote_gbps: remote -> device bandwidth in GB/s (the network).
         write_policy: ``"write-back"`` or ``"write-through"``.
+
+    >>> OffloadConfig().enabled, OffloadConfig(2**30).enabled
+    (False, True)
+    >>> OffloadConfig(remote=True)
+    Traceback (most recent call last):
+    ...
+    kvfunc.cli._errors.CLIError: --remote needs --host-memory: blocks reach the remote tier \
+through host memory
     """
 
     host_bytes: int = 0
@@ -126,6 +134,13 @@ def tiered_state(device: KVState, offload: OffloadConfig, block_bytes: int) -> T
 
     Raises:
         CLIError: the device has several groups, or a tier holds no block or too many.
+
+    >>> from kvfunc.core import FullAttention
+    >>> dev = KVState.create({"f": FullAttention(num_blocks=8, block_size=16)}, 1024,
+    ...                      enable_prefix_caching=True)
+    >>> t = tiered_state(dev, OffloadConfig(2**20, True, 2**21), 2**16)
+    >>> t.host.num_blocks, t.remote.capacity
+    (16, 32)
     """
     if len(device.groups) != 1:
         raise CLIError(f"--host-memory serves a model of one full-attention group; this one "
@@ -144,7 +159,12 @@ def tiered_state(device: KVState, offload: OffloadConfig, block_bytes: int) -> T
 
 
 class TierCounts:
-    """What the tiers did over a run (the scheduler adds to it)."""
+    """What the tiers did over a run (the scheduler adds to it).
+
+    >>> c = TierCounts()
+    >>> c.moved(("device->host", "host->device", "host->remote")); c.stored_blocks
+    {'host': 1, 'remote': 1}
+    """
 
     def __init__(self) -> None:
         #: Prompt tokens hit at first admission, by tier.
@@ -166,7 +186,17 @@ class TierCounts:
 
 @attrs.frozen
 class TierReport:
-    """The tiers of a run: sizes, hits by tier, traffic, and time to first token saved."""
+    """The tiers of a run: sizes, hits by tier, traffic, and time to first token saved.
+
+    A load of ``B`` bytes costs ``B / bandwidth``; recomputing its tokens costs
+    them over ``prefill_tokens_per_s``:
+
+    >>> r = TierReport(100, None, True, 10**9, 64, "write-back", 25.0, 12.5, 6400.0,
+    ...                {"device": 0, "host": 640, "remote": 640}, {"host": 10, "remote": 10},
+    ...                {"host": 30, "remote": 5}, 2)
+    >>> round(r.load_s, 2), r.recompute_s, round(r.ttft_saved_s, 2)
+    (1.2, 0.2, -1.0)
+    """
 
     host_blocks: int
     remote_blocks: int | None

@@ -31,7 +31,11 @@ _EMPTY_MAP: immutables.Map[int, bytes] = immutables.Map()
 
 
 class TierEntry(NamedTuple):
-    """One block of a tier: where it is, what it is worth keeping, when it was last used."""
+    """One block of a tier: where it is, what it is worth keeping, when it was last used.
+
+    >>> TierIndex.create().add(b"h", 7, 2).get(b"h")
+    TierEntry(block=7, priority=2, tick=0, pins=0)
+    """
 
     block: int
     priority: int

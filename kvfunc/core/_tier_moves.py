@@ -33,6 +33,12 @@ class MovesResult(NamedTuple):
     ``recompute_from`` maps each request a failed load was for to the tokens
     that are still good: the scheduler computes it again from there once
     :func:`loads_pending` says its loads have settled.
+
+    >>> from kvfunc.core import FullAttention, KVState, TieredState
+    >>> dev = KVState.create({"f": FullAttention(num_blocks=2, block_size=4)}, 64,
+    ...                      enable_prefix_caching=True)
+    >>> complete_moves(TieredState.create(dev)).recompute_from
+    {}
     """
 
     state: TieredState

@@ -50,6 +50,9 @@ class TierMove(NamedTuple):
     ``src`` and ``dst`` are block ids in the tiers the direction names; the
     remote tier has no block ids (``-1``: the block is named by its hash).
     ``request_id`` is the request a load is for (None for a store).
+
+    >>> TierMove(HOST_TO_DEVICE, b"h", 3, 5, "a", 0, True).dst
+    5
     """
 
     direction: str
@@ -71,6 +74,10 @@ class HostTier:
         free: a stack of free host blocks; its first ``num_free`` items count.
         num_free: free host blocks.
         pending: hash -> host block being written by a store in flight.
+
+    >>> h = HostTier.create(4)
+    >>> h.num_free, h.free[h.num_free - 1], len(h.index)     # block 0 is handed out first
+    (4, 0, 0)
     """
 
     num_blocks: int
@@ -94,6 +101,10 @@ class RemoteTier:
         capacity: blocks the directory keeps at most (None: unbounded).
         index: the hashes believed stored (hits, droppable unless pinned).
         pending: hash -> move id of a store in flight.
+
+    >>> import immutables
+    >>> RemoteTier(8, TierIndex.create(), immutables.Map({b"h": 0})).num_blocks
+    1
     """
 
     capacity: int | None
@@ -219,7 +230,13 @@ def _count(name: str, value: object, minimum: int) -> int:
 
 
 def check_tiered(value: object) -> TieredState:
-    """``value`` if it is a :class:`TieredState`; else :class:`~kvfunc.InvalidTypeError`."""
+    """``value`` if it is a :class:`TieredState`; else :class:`~kvfunc.InvalidTypeError`.
+
+    >>> check_tiered("state")
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidTypeError: state must be a TieredState, got 'state'
+    """
     if type(value) is not TieredState:
         raise InvalidTypeError(f"state must be a TieredState, got {excerpt(value)}")
     return value

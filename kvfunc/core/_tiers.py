@@ -99,6 +99,12 @@ class TieredHit:
         hashes: per lower block, its hash.
         num_tokens: tokens of the whole hit (pass as ``computed_tokens``).
         query_tokens: tokens looked up.
+
+    >>> from kvfunc.core import PrefixHit
+    >>> hit = TieredHit(PrefixHit(4, {"f": (1,)}, 11), ("host", "remote"), (7, -1),
+    ...                 (b"h1", b"h2"), 12, 11)
+    >>> hit.host_blocks, hit.remote_blocks
+    (1, 1)
     """
 
     device: PrefixHit
@@ -120,7 +126,14 @@ class TieredHit:
 
 
 class TieredResult(NamedTuple):
-    """Outcome of :func:`allocate_tiered`: the state, the delta, the refused requests."""
+    """Outcome of :func:`allocate_tiered`: the state, the delta, the refused requests.
+
+    >>> from kvfunc.core import FullAttention, KVState, TieredState
+    >>> dev = KVState.create({"f": FullAttention(num_blocks=2, block_size=4)}, 64,
+    ...                      enable_prefix_caching=True)
+    >>> allocate_tiered(TieredState.create(dev), [("a", 0, 9)]).refused
+    ('a',)
+    """
 
     state: TieredState
     delta: TierDelta
@@ -285,7 +298,7 @@ def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
     for rid, hit in admits.items():
         if rid not in refused and hit.hashes:
             _start_loads(work, rid, hit)
-    follow_device(work, res.delta, evicted)
+    _follow_device(work, res.delta, evicted)
     return TieredResult(work.freeze(), work.sink.build(res.delta), res.refused)
 
 
@@ -300,7 +313,7 @@ def _start_loads(work: TierWork, rid: RequestId, hit: TieredHit) -> None:
                    table[first + k], rid, p)
 
 
-def follow_device(work: TierWork, delta: BlocksChanged, evicted: dict[int, int]) -> None:
+def _follow_device(work: TierWork, delta: BlocksChanged, evicted: dict[int, int]) -> None:
     """Start the stores the write policy asks for after the device did ``delta``."""
     if not work.has_host or not (delta.evicted_block_ids or delta.stored_block_ids):
         return
@@ -342,7 +355,7 @@ def free_tiered(state: TieredState, request_id: RequestId, *,
     device, delta = free_request(state.device, request_id, block_hashes=block_hashes)
     work = TierWork(state)
     work.device = device
-    follow_device(work, delta, work.note_device(delta))
+    _follow_device(work, delta, work.note_device(delta))
     if request_id in state.priorities:
         work.forget(request_id)
     return work.freeze(), work.sink.build(delta)
