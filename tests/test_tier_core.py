@@ -42,6 +42,7 @@ class Log:
 
     def keep(self, state: TieredState, delta: kf.TierDelta) -> TieredState:
         check_tiered_invariants(state)
+        kf.check_invariants(state)
         self.state = state
         self.deltas.append(delta)
         assert replay_tiered(self.initial, self.deltas) == state
