@@ -28,6 +28,7 @@ from kvfunc.cli._layout import SIM_LAYOUTS, PoolUsage, default_layout
 from kvfunc.cli._log import DeltaLogWriter, ReplayFailed, state_content, verify_log
 from kvfunc.cli._main import main
 from kvfunc.cli._mooncake import UpperBound, upper_bound
+from kvfunc.cli._offload import OffloadConfig, TierReport
 from kvfunc.cli._plan import (
     Budget,
     GroupPlan,
@@ -76,6 +77,7 @@ __all__ = [
     "GroupPlan",
     "LatencyReport",
     "ModelPreset",
+    "OffloadConfig",
     "PlanConfig",
     "PlanReport",
     "PoolUsage",
@@ -91,6 +93,7 @@ __all__ = [
     "SimulationResult",
     "SweepPoint",
     "SweepResult",
+    "TierReport",
     "Trace",
     "TraceRequest",
     "TransferReport",

@@ -7,8 +7,9 @@ import re
 from collections.abc import Sequence
 from typing import NoReturn
 
-from kvfunc import __version__
+from kvfunc import WRITE_POLICIES, __version__
 from kvfunc.cli._disagg_cli import add_disaggregated_args
+from kvfunc.cli._offload import HOST_GBPS, REMOTE_GBPS
 from kvfunc.cli._presets import preset_names
 from kvfunc.cli._scheduler import CACHE_OUTPUTS
 
@@ -112,6 +113,22 @@ def _simulate_args(sim: argparse.ArgumentParser) -> None:
                      help="when a request's output blocks are cached: as-filled (each as a "
                           "step fills it, as vLLM does) or at-release (hashed once, when the "
                           "request is freed, as SGLang's radix cache inserts them)")
+    sim.add_argument("--host-memory", default=None, metavar="SIZE",
+                     help="host memory for KV blocks behind the device cache, e.g. 256GiB: "
+                          "blocks the device evicts move there and load back on a hit "
+                          "(default: none)")
+    sim.add_argument("--remote", default=None, metavar="mooncake[:SIZE]",
+                     help="a Mooncake Store behind host memory (SIZE: its capacity; "
+                          "unbounded without one); needs --host-memory")
+    sim.add_argument("--host-bandwidth", type=float, default=HOST_GBPS, metavar="GB/s",
+                     help=f"host -> device copy bandwidth, PCIe (default {HOST_GBPS:g}: "
+                          "PCIe 4.0 x16)")
+    sim.add_argument("--remote-bandwidth", type=float, default=REMOTE_GBPS, metavar="GB/s",
+                     help=f"remote -> device bandwidth, the network (default {REMOTE_GBPS:g}: "
+                          "100 Gb/s)")
+    sim.add_argument("--write-policy", choices=WRITE_POLICIES, default="write-back",
+                     help="when blocks move down: write-back (when the device evicts them) "
+                          "or write-through (when the device caches them)")
     sim.add_argument("--no-prefix-caching", action="store_true",
                      help="prefill every prompt in full, even on a trace that names its "
                           "prompt blocks (for comparison)")

@@ -32,6 +32,7 @@ from kvfunc.cli._errors import CLIError
 from kvfunc.cli._inputs import check_writable, show
 from kvfunc.cli._layout import SIM_LAYOUTS, default_layout
 from kvfunc.cli._log import ReplayFailed, log_write_error, verify_log
+from kvfunc.cli._offload import OffloadConfig, parse_remote
 from kvfunc.cli._plan import Budget, PlanConfig, plan_model, render_shared_plan
 from kvfunc.cli._presets import ModelPreset, build_preset, preset_names
 from kvfunc.cli._render import (
@@ -136,7 +137,8 @@ def _simulate(args: argparse.Namespace) -> int:
                               max_batched_tokens=args.max_batched_tokens,
                               max_model_len=args.max_model_len, step_ms=args.step_ms,
                               speedup=args.speedup, prefix_caching=not args.no_prefix_caching,
-                              layout=layouts[0], cache_outputs=args.cache_outputs)
+                              layout=layouts[0], cache_outputs=args.cache_outputs,
+                              offload=_offload(args))
     if args.capacity_sweep is not None:
         return _sweep(args, config, plot_path, layouts)
     if args.disaggregated is not None:
@@ -168,6 +170,17 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         render_simulation(result, make_console(), plot_path, args.record)
     return 0
+
+
+def _offload(args: argparse.Namespace) -> OffloadConfig:
+    """The tiers the flags ask for (none without ``--host-memory`` and ``--remote``)."""
+    host = 0 if args.host_memory is None else parse_bytes(args.host_memory,
+                                                          what="--host-memory")
+    if args.host_memory is not None and host <= 0:
+        raise CLIError(f"--host-memory must be more than 0, got {args.host_memory!r}")
+    remote = args.remote is not None
+    return OffloadConfig(host, remote, parse_remote(args.remote) if remote else None,
+                         args.host_bandwidth, args.remote_bandwidth, args.write_policy)
 
 
 def _open_log(path: str) -> IO[str]:

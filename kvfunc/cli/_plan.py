@@ -45,8 +45,9 @@ from kvfunc.core import (
     shared_page_layout,
 )
 
-__all__ = ["MAX_CONCURRENCY", "Budget", "GroupPlan", "PlanConfig", "PlanReport", "plan_model",
-           "render_shared_plan", "size_blocks", "size_shared_blocks"]
+__all__ = ["MAX_CONCURRENCY", "Budget", "GroupPlan", "PlanConfig", "PlanReport",
+           "entry_block_bytes", "plan_model", "render_shared_plan", "size_blocks",
+           "size_shared_blocks"]
 
 #: The most requests a plan or a simulation may run at once (``--concurrency``).
 MAX_CONCURRENCY = 2**20
@@ -184,7 +185,7 @@ class PlanReport:
         }
 
 
-def _entry_block_bytes(cache: CacheEntry) -> int:
+def entry_block_bytes(cache: CacheEntry) -> int:
     """Bytes one block of ``cache`` takes in one layer (what sizing charges)."""
     if CacheAllocator(cache.allocator) is not CacheAllocator.HBM:
         return 0
@@ -312,7 +313,7 @@ def plan_model(model: ModelPreset, config: PlanConfig) -> PlanReport:
         first = entries[0]
         attn_type, block_size = first.attn_type, first.block_size or 1
         blocks = num_blocks[key]
-        block_bytes = sum(_entry_block_bytes(e) for e in entries)
+        block_bytes = sum(entry_block_bytes(e) for e in entries)
         per_request = blocks_per_request(attn_type, block_size, first.sliding_window,
                                           model.next_n, config.max_len)
         rows.append(GroupPlan(

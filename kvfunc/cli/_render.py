@@ -133,6 +133,9 @@ def render_simulation(result: SimulationResult, console: Console,
             f"[bold]{p.hit_rate:.1%}[/bold] (the trace's upper bound, an infinite cache: "
             f"{p.bound.hit_rate:.1%}); {p.recompute_hit_tokens:,} more hit after preemption; "
             f"blocks stored {p.stored_blocks:,}, evicted {p.evicted_blocks:,}")
+    if result.tiers is not None:
+        for line in result.tiers.lines(0 if p is None else p.prompt_tokens):
+            console.print(line)
     table = Table(show_edge=False)
     for header in ("pool", "groups", "usable\nblocks", "peak\nused", "peak", "mean\nused",
                    "mean"):
@@ -193,12 +196,15 @@ def render_sweep(sweep: SweepResult, console: Console, plot_path: str | None = N
         " (capacity: the paged groups' tokens; a shared pool's, beyond what the window and "
         "state groups need for --concurrency requests)" if "shared" in layouts else ""))
     table = Table(show_edge=False)
-    headers = ("memory", "capacity\n(tokens)", "hit rate", "hit tokens", "stored\nblocks",
-               "evicted\nblocks", "preemptions", "rejected", "wall s")
+    hosts = any(pt.host_memory_bytes for pt in sweep.points)
+    headers = ("memory", *(("host\nmemory",) if hosts else ()), "capacity\n(tokens)",
+               "hit rate", "hit tokens", "stored\nblocks", "evicted\nblocks", "preemptions",
+               "rejected", "wall s")
     for header in ("layout", *headers) if len(layouts) > 1 else headers:
         table.add_column(header, justify="left" if header == "layout" else "right")
     for pt in sweep.points:
-        row = (format_bytes(pt.memory_bytes), f"{pt.capacity_tokens:,}",
+        host = (format_bytes(pt.host_memory_bytes),) if hosts else ()
+        row = (format_bytes(pt.memory_bytes), *host, f"{pt.capacity_tokens:,}",
                f"{pt.hit_rate:.1%}", f"{pt.hit_tokens:,}", f"{pt.stored_blocks:,}",
                f"{pt.evicted_blocks:,}", f"{pt.preemptions:,}", f"{pt.rejected:,}",
                f"{pt.wall_s:.1f}")

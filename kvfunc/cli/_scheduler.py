@@ -33,6 +33,9 @@ request's entry is a plain tuple, and the step reads its hashes from
 blocks a request fills are cached as it goes, and a preempted request finds
 its own blocks when it is admitted again.  Without one, every prompt is
 prefilled in full.
+
+:class:`~kvfunc.cli._tier_scheduler.TieredScheduler` adds tiers below the
+device through ``_allocate``, ``_free``, ``_lookup`` and two hooks.
 """
 
 from __future__ import annotations
@@ -216,6 +219,15 @@ class Scheduler:
         self._emit(delta)
         return state
 
+    def _lookup(self, state: KVState, rid: int, target: int) -> Any:
+        return self.prefix.lookup(state, rid, target)  # type: ignore[union-attr]
+
+    def _stepped(self) -> None:  # a hook: the step's allocation is now self.state
+        pass
+
+    def _admitted(self, entry: tuple[Any, ...], *, again: bool) -> None:  # a hook
+        pass
+
     # -- the step ----------------------------------------------------------------------------
     def _servable(self, rid: int) -> bool:
         total = self.prompt[rid] + self.output[rid]
@@ -277,7 +289,7 @@ class Scheduler:
                 batch.append((rid, 0, chunk))
             else:
                 t0 = time.perf_counter()
-                hit = prefix.lookup(state, rid, target)
+                hit = self._lookup(state, rid, target)
                 self._spent += time.perf_counter() - t0
                 chunk = min(target - hit.num_tokens, budget)
                 batch.append((rid, hit.num_tokens, chunk, 0, 0, None,
@@ -346,6 +358,7 @@ class Scheduler:
         self._spent = 0.0
         res, batch, num_admitted = self._plan_step()
         self.state = res.state
+        self._stepped()
         self._emit(res.delta)
         for entry in batch[len(batch) - num_admitted:]:
             rid = self.waiting.popleft()
@@ -354,6 +367,7 @@ class Scheduler:
                 self.prompt_tokens += self.prompt[rid]
             if self.prefix is not None:
                 self.prefix.admitted(rid, entry[7], again=self.preempted[rid])
+            self._admitted(entry, again=self.preempted[rid])
         self._advance(batch)
         self.steps += 1
         self.clock += self.config.step_s

@@ -25,6 +25,7 @@ from kvfunc.cli._inputs import check_state_size, show
 from kvfunc.cli._layout import PoolUsage, check_layout, default_layout, group_rows, pool_usage
 from kvfunc.cli._log import DeltaLogWriter
 from kvfunc.cli._mooncake import UpperBound, hit_rate, upper_bound
+from kvfunc.cli._offload import OffloadConfig, TierReport, block_bytes, tiered_state
 from kvfunc.cli._plan import (
     MAX_CONCURRENCY,
     Budget,
@@ -35,6 +36,7 @@ from kvfunc.cli._plan import (
 from kvfunc.cli._prefix import PrefixCacher, hash_block_size
 from kvfunc.cli._presets import MAX_MODEL_LEN, ModelPreset
 from kvfunc.cli._scheduler import CACHE_OUTPUTS, Scheduler, SchedulerConfig
+from kvfunc.cli._tier_scheduler import TieredScheduler, tier_report
 from kvfunc.cli._trace import Trace
 from kvfunc.core import BlocksChanged, KVState
 
@@ -70,6 +72,8 @@ class SimulationConfig:
             ``"per-type"`` (see :mod:`kvfunc.cli._layout`).
         cache_outputs: when output blocks are cached, ``"as-filled"`` or
             ``"at-release"`` (:attr:`~kvfunc.cli.SchedulerConfig.cache_outputs`).
+        offload: tiers behind the device cache (host memory, a Mooncake Store;
+            none by default, see :mod:`kvfunc.cli._offload`).
     """
 
     model: ModelPreset
@@ -84,6 +88,7 @@ class SimulationConfig:
     layout: str = attrs.field(
         default=attrs.Factory(lambda self: default_layout(self.model), takes_self=True))
     cache_outputs: str = "as-filled"
+    offload: OffloadConfig = attrs.field(factory=OffloadConfig)
 
     def __attrs_post_init__(self) -> None:
         checks = (("--concurrency", self.concurrency, MAX_CONCURRENCY),
@@ -112,6 +117,9 @@ class SimulationConfig:
         if self.cache_outputs not in CACHE_OUTPUTS:
             raise CLIError(f"--cache-outputs must be one of {', '.join(CACHE_OUTPUTS)}, got "
                            f"{show(self.cache_outputs)}")
+        if self.offload.enabled and not self.caches_prefixes:
+            raise CLIError("--host-memory and --remote need prefix caching on a trace that "
+                           "names its prompt blocks (a Mooncake trace)")
 
     @property
     def caches_prefixes(self) -> bool:
@@ -189,6 +197,7 @@ class SimulationResult:
     final_state: KVState
     series: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     prefix: PrefixReport | None = None
+    tiers: TierReport | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Plain data: settings, counters, usage per pool, the groups, allocator timings."""
@@ -201,6 +210,7 @@ class SimulationResult:
             "mtp_depth": cfg.model.next_n, "step_ms": cfg.step_ms, "speedup": cfg.speedup,
             "prefix_caching": cfg.caches_prefixes, "layout": cfg.layout,
             "prefix_cache": None if self.prefix is None else self.prefix.to_json(),
+            "tiers": None if self.tiers is None else self.tiers.to_json(),
             "num_blocks": self.num_blocks, **self.counters, "steps": self.steps,
             "simulated_s": round(self.simulated_s, 3), "wall_s": round(self.wall_s, 3),
             "allocator_us_per_step": {k: round(v, 2) for k, v in self.alloc_us.items()},
@@ -302,11 +312,17 @@ def run_simulation(config: SimulationConfig, *, record: IO[str] | None = None,
     requests = config.trace.requests
     prefix = (PrefixCacher(requests, hash_block_size(state), hash_fn=PREFIX_HASH_FN)
               if config.caches_prefixes else None)
-    sched = Scheduler(state, requests, SchedulerConfig(
+    tiers = (tiered_state(state, config.offload, block_bytes(config.model))
+             if config.offload.enabled else None)
+    sched_config = SchedulerConfig(
         max_num_seqs=config.concurrency, max_batched_tokens=config.max_batched_tokens,
         next_n=config.model.next_n, step_s=config.step_ms / 1000, speedup=config.speedup,
-        cache_outputs=config.cache_outputs),
-        on_delta=_both(writer.write if writer is not None else None, on_delta), prefix=prefix)
+        cache_outputs=config.cache_outputs)
+    sink = _both(writer.write if writer is not None else None, on_delta)
+    sched = (Scheduler(state, requests, sched_config, on_delta=sink, prefix=prefix)
+             if tiers is None or prefix is None else
+             TieredScheduler(state, requests, sched_config, on_delta=sink, prefix=prefix,
+                             tiers=tiers))
     total = len(config.trace.requests)
     start = time.perf_counter()
     with _cycle_collector_paused():
@@ -334,7 +350,16 @@ def run_simulation(config: SimulationConfig, *, record: IO[str] | None = None,
         sched.steps, sched.clock, wall, alloc_us, tuple(sched.times),
         tuple(tuple(u) for u in sched.usage), sched.state,
         {name: tuple(values) for name, values in sched.series.items()},
-        _prefix_report(config, sched, hash_block_size(state)))
+        _prefix_report(config, sched, hash_block_size(state)), _tier_report(config, sched))
+
+
+def _tier_report(config: SimulationConfig, sched: Scheduler) -> TierReport | None:
+    if not isinstance(sched, TieredScheduler):
+        return None
+    off = config.offload
+    return tier_report(sched, block_bytes=block_bytes(config.model), host_gbps=off.host_gbps,
+                       remote_gbps=off.remote_gbps,
+                       prefill_tokens_per_s=config.max_batched_tokens / (config.step_ms / 1000))
 
 
 def _prefix_report(config: SimulationConfig, sched: Scheduler, block_size: int

@@ -12,7 +12,10 @@ Theory of operation
 capped where the cache would pass the simulator's block bound
 (:data:`~kvfunc.cli._inputs.MAX_STATE_BLOCKS`).  Each size becomes the
 memory budget that gives it (:func:`memory_for_tokens`), so every point is an
-ordinary ``kvfunc simulate`` run with another ``--memory``.  Given several
+ordinary ``kvfunc simulate`` run with another ``--memory``.  With
+``--host-memory`` the sweep keeps ``--memory`` and sweeps the host memory
+instead (:func:`host_sizes`): halvings of ``--host-memory`` up to it, each
+point's capacity the device's tokens plus the host tier's.  Given several
 layouts (``--layout both``), every memory runs in each: one curve per layout,
 each point at the capacity its layout gives the paged groups
 (:func:`capacity_tokens`).  The points run in
@@ -42,8 +45,8 @@ from kvfunc.cli._simulate import SimulationConfig, run_simulation
 from kvfunc.cli._units import MAX_BYTES
 from kvfunc.core import KVState
 
-__all__ = ["SweepPoint", "SweepResult", "capacity_tokens", "memory_for_tokens", "run_sweep",
-           "sweep_capacities"]
+__all__ = ["SweepPoint", "SweepResult", "capacity_tokens", "host_sizes", "memory_for_tokens",
+           "run_sweep", "sweep_capacities"]
 
 MAX_POINTS = 64
 
@@ -64,6 +67,7 @@ class SweepPoint:
     preemptions: int
     wall_s: float
     layout: str = "per-type"
+    host_memory_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -213,16 +217,37 @@ def sweep_capacities(config: SimulationConfig, points: int) -> tuple[list[int], 
     return [round(low * ratio**i) for i in range(points)], capped
 
 
+def host_sizes(config: SimulationConfig, points: int) -> list[int]:
+    """Host memory sizes of a host-memory sweep: halvings of ``--host-memory``, up to it.
+
+    >>> from kvfunc.cli._offload import OffloadConfig
+    >>> from kvfunc.cli._plan import Budget
+    >>> from kvfunc.cli._presets import build_preset
+    >>> from kvfunc.cli._trace import load_trace
+    >>> cfg = SimulationConfig(build_preset("deepseek-v3"),
+    ...                        load_trace("mooncake-conversation", limit=10), Budget(2**36),
+    ...                        offload=OffloadConfig(2**38))
+    >>> [s >> 30 for s in host_sizes(cfg, 4)]
+    [32, 64, 128, 256]
+    """
+    if type(points) is not int or not 2 <= points <= MAX_POINTS:
+        raise CLIError(f"--capacity-sweep takes 2 to {MAX_POINTS} points, got {points!r}")
+    top = config.offload.host_bytes
+    return [top >> (points - 1 - i) for i in range(points)]
+
+
 def _run_point(config: SimulationConfig) -> SweepPoint:
     """One point, in a worker process."""
     result = run_simulation(config)
     prefix, c = result.prefix, result.counters
     assert prefix is not None  # the sweep runs only on traces with hash ids
     capacity = capacity_tokens(config, result.final_state)
+    if result.tiers is not None:
+        capacity += result.tiers.host_blocks * result.tiers.block_size
     return SweepPoint(config.budget.memory_bytes, capacity, result.num_blocks,
                       prefix.prompt_tokens, prefix.hit_tokens, prefix.stored_blocks,
                       prefix.evicted_blocks, c["served"], c["rejected"], c["preemptions"],
-                      result.wall_s, config.layout)
+                      result.wall_s, config.layout, config.offload.host_bytes)
 
 
 def run_sweep(config: SimulationConfig, *, points: int = 8, jobs: int | None = None,
@@ -233,7 +258,9 @@ def run_sweep(config: SimulationConfig, *, points: int = 8, jobs: int | None = N
     Args:
         config: the run to repeat; its ``budget`` gives ``mem_fraction``,
             ``used_bytes`` and ``extra_reserved_bytes``; each point sets its own
-            ``memory_bytes`` (``--memory`` is not used).
+            ``memory_bytes`` (``--memory`` is not used), unless the config
+            has a host tier: then every point keeps ``--memory`` and sets its
+            own host memory (:func:`host_sizes`).
         points: how many cache sizes.
         jobs: worker processes (at most ``points`` times the layouts).
         layouts: run every size in each of these layouts (one curve each);
@@ -261,10 +288,17 @@ def run_sweep(config: SimulationConfig, *, points: int = 8, jobs: int | None = N
     layouts = tuple(check_layout(x) for x in (layouts or (config.layout,)))
     if not layouts or len(set(layouts)) != len(layouts):
         raise CLIError(f"layouts must name each layout once, got {show(layouts)}")
-    sizes, capped = sweep_capacities(config, points)
-    memory = [memory_for_tokens(config, tokens) for tokens in sizes]
-    configs = [attrs.evolve(config, layout=layout, budget=attrs.evolve(
-        config.budget, memory_bytes=m)) for layout in layouts for m in memory]
+    if config.offload.host_bytes:
+        if len(layouts) > 1:
+            raise CLIError("a host-memory sweep runs one layout; name it, or leave --layout out")
+        capped = False
+        configs = [attrs.evolve(config, offload=attrs.evolve(config.offload, host_bytes=h))
+                   for h in host_sizes(config, points)]
+    else:
+        sizes, capped = sweep_capacities(config, points)
+        memory = [memory_for_tokens(config, tokens) for tokens in sizes]
+        configs = [attrs.evolve(config, layout=layout, budget=attrs.evolve(
+            config.budget, memory_bytes=m)) for layout in layouts for m in memory]
     workers = min(len(configs), jobs or os.cpu_count() or 1)
     done: list[SweepPoint] = []
     start = time.perf_counter()

@@ -16,6 +16,9 @@ modules, by what they hold:
   -> ``_fold`` -> ``_step`` -> ``_policy`` -> ``_group`` -> ``_pool`` ->
   ``_delta``;
 * prefix caching: ``_hashing``, ``_prefix``, ``_prefix_ops``;
+* tiers below the device (host memory, a remote store): ``_tiers`` (theory of
+  operation, lookup, admission), ``_tier_state``, ``_tier_index``, ``_tier_work``,
+  ``_tier_moves``, ``_tier_delta``, ``_tier_checks``;
 * deltas and replay: ``_ops`` (the operation records), ``_delta``, ``_replay``;
 * argument checks and errors: ``_checks``, ``_errors``.
 
@@ -105,6 +108,30 @@ from kvfunc.core._sizing import (
     calculate_fixed_block_memory_bytes,
 )
 from kvfunc.core._state import LAYOUTS, NULL_BLOCK, BlockId, KVState, RequestId
+from kvfunc.core._tier_checks import check_tiered_invariants, replay_tiered
+from kvfunc.core._tier_delta import TIER_DELTA_VERSION, TierDelta
+from kvfunc.core._tier_index import TierEntry, TierIndex
+from kvfunc.core._tier_moves import MovesResult, complete_moves, loads_pending
+from kvfunc.core._tier_state import (
+    DIRECTIONS as MOVE_DIRECTIONS,
+)
+from kvfunc.core._tier_state import (
+    MEDIUMS as TIER_MEDIUMS,
+)
+from kvfunc.core._tier_state import (
+    WRITE_POLICIES,
+    HostTier,
+    RemoteTier,
+    TieredState,
+    TierMove,
+)
+from kvfunc.core._tiers import (
+    TieredHit,
+    TieredResult,
+    allocate_tiered,
+    free_tiered,
+    lookup_tiers,
+)
 from kvfunc.core._transitions import (
     AllocationResult,
     BatchResult,
@@ -130,8 +157,12 @@ __all__ = [
     "HASH_FUNCTIONS",
     "LAYOUTS",
     "MAX_NUM_BLOCKS",
+    "MOVE_DIRECTIONS",
     "NULL_BLOCK",
     "SUPPORTED_CACHE_LAYOUTS",
+    "TIER_DELTA_VERSION",
+    "TIER_MEDIUMS",
+    "WRITE_POLICIES",
     "AllocationResult",
     "Appended",
     "BatchResult",
@@ -153,6 +184,7 @@ __all__ = [
     "FullAttention",
     "GroupPage",
     "GroupState",
+    "HostTier",
     "InsufficientMemoryError",
     "InvalidArgumentError",
     "InvalidCacheInfo",
@@ -169,6 +201,7 @@ __all__ = [
     "MissingKeyError",
     "MissingTensorError",
     "ModelCacheInfo",
+    "MovesResult",
     "NotSupportedError",
     "Nulled",
     "OffloadWorkspaceMemoryInfo",
@@ -181,6 +214,7 @@ __all__ = [
     "PrefixHit",
     "Registered",
     "Released",
+    "RemoteTier",
     "ReplayMismatchError",
     "RequestId",
     "Shared",
@@ -190,14 +224,24 @@ __all__ = [
     "SlidingWindow",
     "SlotRequest",
     "Stored",
+    "TierDelta",
+    "TierEntry",
+    "TierIndex",
+    "TierMove",
+    "TieredHit",
+    "TieredResult",
+    "TieredState",
     "UnknownAttentionTypeError",
     "UnknownRequestError",
     "allocate_batch",
     "allocate_slots",
+    "allocate_tiered",
     "calculate_block_num",
     "calculate_fixed_block_memory_bytes",
     "calculate_shared_block_num",
     "check_invariants",
+    "check_tiered_invariants",
+    "complete_moves",
     "detach_request",
     "dtype_itemsize",
     "evict_blocks",
@@ -205,9 +249,12 @@ __all__ = [
     "format_usage",
     "free_detached",
     "free_request",
+    "free_tiered",
     "get_block_ids",
     "hash_function",
+    "loads_pending",
     "lookup_prefix",
+    "lookup_tiers",
     "num_cached_blocks",
     "num_free_blocks",
     "policy_class",
@@ -215,6 +262,7 @@ __all__ = [
     "register_policy",
     "registered_attn_types",
     "replay",
+    "replay_tiered",
     "reset_prefix_cache",
     "shared_page_layout",
     "validate_cache_info",

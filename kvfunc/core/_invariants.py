@@ -9,11 +9,12 @@ from kvfunc.core._group import GroupState
 from kvfunc.core._policy import KEEPS_ALL
 from kvfunc.core._pool import PoolState
 from kvfunc.core._state import NULL_BLOCK, KVState, check_state
+from kvfunc.core._tier_state import TieredState
 
 __all__ = ["check_invariants"]
 
 
-def check_invariants(state: KVState) -> None:
+def check_invariants(state: KVState | TieredState) -> None:
     """Assert the invariants of a state; an ``AssertionError`` names the first broken one.
 
     * each group draws from one pool, and each pool's members are its groups;
@@ -27,11 +28,18 @@ def check_invariants(state: KVState) -> None:
       holders, and the free blocks are exactly those nobody holds;
     * with prefix caching: the hash index finds exactly the cached blocks, in
       both directions, and each row's ``shared`` and ``stored`` counters are
-      sound.
+      sound;
+    * for a :class:`~kvfunc.TieredState`, its device's and its tiers' books
+      (:func:`~kvfunc.check_tiered_invariants`).
 
     >>> from kvfunc.core._policies import FullAttention
     >>> check_invariants(KVState.create({"f": FullAttention(num_blocks=5, block_size=4)}, 64))
     """
+    if isinstance(state, TieredState):
+        from kvfunc.core._tier_checks import check_tiered_invariants  # it imports this module
+
+        check_tiered_invariants(state)
+        return
     check_state(state)
     keys = state.manager_keys
     assert len(set(keys)) == len(keys), f"duplicate manager keys {keys}"

@@ -5,7 +5,9 @@
   field names plus ``group`` (the manager key) and ``block_ids``;
 * :func:`encode_event_batch` / :func:`decode_event_batch` turn a
   :class:`KVEventBatch` into msgpack bytes laid out as vLLM's, and back;
-* :class:`CachedBlocksView` rebuilds every group's cached blocks from the events.
+* :class:`CachedBlocksView` rebuilds every group's cached blocks from the events;
+* :func:`events_from_tier_delta` adds the events of the tiers below the device
+  (host memory, medium ``"CPU"``; a remote store, medium ``"REMOTE"``).
 
 Imports only the public core, attrs, pyrsistent and msgpack (never torch).
 
@@ -30,10 +32,13 @@ from kvfunc.events._events import (
     KVEventBatch,
     events_from_delta,
 )
+from kvfunc.events._tier_events import MEDIUM_CPU, MEDIUM_REMOTE, events_from_tier_delta
 from kvfunc.events._view import CachedBlocksView
 
 __all__ = [
+    "MEDIUM_CPU",
     "MEDIUM_GPU",
+    "MEDIUM_REMOTE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -43,4 +48,5 @@ __all__ = [
     "decode_event_batch",
     "encode_event_batch",
     "events_from_delta",
+    "events_from_tier_delta",
 ]

@@ -13,6 +13,10 @@ view after a batch of events::
     BlockRemoved               remove each (hash, block id) of the group
     BlockStored                add each (hash, block id) of the group
 
+Events of another medium than the device's (``"GPU"``, or ``None``) are
+passed over: they name blocks of the tiers below it
+(:func:`~kvfunc.events.events_from_tier_delta`).
+
 Applying a store of a block already there, or a removal of a block that is
 not, changes nothing, so a batch delivered twice in a row (at-least-once
 delivery) leaves the same blocks cached.  The index is a persistent map (pyrsistent): an
@@ -33,6 +37,7 @@ from pyrsistent import PMap, pmap
 from kvfunc.core import InvalidArgumentError, InvalidTypeError, KVState
 from kvfunc.core._internal import excerpt
 from kvfunc.events._events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -158,6 +163,8 @@ class CachedBlocksView:
         groups = dict(self.groups)
         for e in items:
             if type(e) is BlockStored or type(e) is BlockRemoved:
+                if e.medium is not None and e.medium != MEDIUM_GPU:
+                    continue  # a tier below the device (host memory, a remote store)
                 _change(groups, e.group, e.block_hashes, _ids(e), store=type(e) is BlockStored)
             elif type(e) is AllBlocksCleared:
                 for key in e.groups or tuple(groups):

@@ -75,6 +75,8 @@ from kvfunc.testing._strategies import (
     shared_sizes,
     slot_requests,
 )
+from kvfunc.testing._tier_machine import TieredStateMachine
+from kvfunc.testing._tier_model import NaiveTiers
 
 __all__ = [
     "Allocate",
@@ -82,9 +84,11 @@ __all__ = [
     "Free",
     "KVStateMachine",
     "NaiveAllocator",
+    "NaiveTiers",
     "Operation",
     "Recycle",
     "Step",
+    "TieredStateMachine",
     "apply_operation",
     "apply_to_model",
     "group_configs",

@@ -30,9 +30,10 @@ def _code_cells(nb: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
     return [cell for cell in nb.cells if cell.cell_type == "code"]
 
 
-def test_the_three_notebooks_are_there() -> None:
-    """The walkthrough, capacity-planning and what-if notebooks exist, in order."""
-    expected = ["01-allocation-walkthrough", "02-capacity-planning", "03-snapshots-and-what-if"]
+def test_the_four_notebooks_are_there() -> None:
+    """The walkthrough, capacity-planning, what-if and tiers notebooks exist, in order."""
+    expected = ["01-allocation-walkthrough", "02-capacity-planning", "03-snapshots-and-what-if",
+                "04-tiers"]
     assert expected == [path.stem for path in NOTEBOOKS]
 
 

@@ -1,0 +1,361 @@
+"""Tiers behind the device pool: a host tier and a remote tier, as pure transitions.
+
+Theory of operation
+-------------------
+A :class:`~kvfunc.core._tier_state.TieredState` wraps a device
+:class:`~kvfunc.KVState` (prefix caching, one full-attention group) and adds
+up to two lower tiers, keyed by the same block hashes as the device's cache::
+
+    device  KVState: its pool, hash index and eviction order (untouched here)
+      |  ^
+      v  |  device->host stores, host->device loads
+    host    HostTier: host blocks 0..n-1, hash -> block, free blocks,
+      |  ^        eviction: lowest retention priority, then least recent
+      v  |  host->remote stores, remote->device loads
+    remote  RemoteTier: hashes believed stored remotely (a hint), LRU by priority
+
+The device goes through its own public transitions (``allocate_batch``,
+``free_request``, ``evict_blocks``); the tiers read what it did from its
+delta: the blocks it cached (``Stored`` rows) and evicted (``Evicted``
+rows).  A state with neither tier runs the device exactly as before.
+
+**Lookup** (:func:`lookup_tiers`): the device's own hit first, cut at the
+first block a load is still writing; then block by block, the host tier
+if it holds the block, else the remote tier, until a block is in neither.
+
+**Admission** (:func:`allocate_tiered`): an entry whose hit is a
+:class:`TieredHit` asks the device for its device hit plus new blocks for the
+rest of the hit and its chunk; the lower-tier blocks count as computed once
+loaded.  Each lower block becomes a load: ``host->device`` from its host
+block, or ``remote->device`` (source ``-1``: the shell fetches the block by
+hash, staging it through host memory of its own).
+
+**Write policy**, chosen at creation:
+
+* ``"write-back"``: a block the device evicts is stored to the host
+  (``device->host``); the shell runs these stores *before* the step's
+  forward pass, since the delta hands their blocks out again.  A block the
+  host evicts is stored to the remote tier (``host->remote``), read before
+  the store that reuses its host block.
+* ``"write-through"``: a block the device caches is stored to the host at
+  once; the shell runs these stores *after* the step's forward pass fills
+  them.  Once a host store is done, the block is stored remotely too.
+
+**Two-phase moves**: each move has an id and is pending until
+:func:`~kvfunc.core._tier_moves.complete_moves` reports it done or failed.
+A pending move's destination is no hit and cannot be evicted: a host block
+being written is out of the index, a device block being loaded is held by
+its request (which cannot be freed until its loads settle) and cut from
+lookups; a move's source is pinned (out of the eviction order).  A failed
+store drops the lower copy; a failed load makes the device forget the block
+(``evict_blocks``) and reports where its request must recompute from.  A
+request with loads in flight must not compute: :func:`allocate_tiered`
+refuses an entry for it with :class:`~kvfunc.InvalidArgumentError`.
+
+**Retention priority**: ``priorities={request_id: p}`` gives a request's
+cached blocks priority ``p`` (default 0) in the host and remote tiers, which
+evict lower priorities first.  A block keeps the priority of the request
+that cached it on the device (the ``Stored`` row's request), down every tier;
+a later hit does not change it.  The device pool's own eviction order is
+unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import attrs
+
+from kvfunc.core._checks import check_count, check_request_id, excerpt, is_request_id
+from kvfunc.core._delta import BlocksChanged
+from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
+from kvfunc.core._fold import SlotRequest
+from kvfunc.core._hashing import BlockHashes
+from kvfunc.core._ops import Evicted, Stored
+from kvfunc.core._prefix import PrefixHit, lookup_prefix
+from kvfunc.core._state import FrozenDict, RequestId
+from kvfunc.core._tier_delta import TierDelta
+from kvfunc.core._tier_state import (
+    HOST_TO_DEVICE,
+    REMOTE_TO_DEVICE,
+    TieredState,
+    check_tiered,
+)
+from kvfunc.core._tier_work import TierWork
+from kvfunc.core._transitions import allocate_batch, free_request, get_block_ids
+
+__all__ = ["TieredHit", "TieredResult", "allocate_tiered", "free_tiered", "lookup_tiers"]
+
+
+@attrs.frozen(slots=True)
+class TieredHit:
+    """A prefix hit across tiers: what :func:`lookup_tiers` found.
+
+    Attributes:
+        device: the device part, a :class:`~kvfunc.PrefixHit`.
+        sources: per lower block, in prefix order, ``"host"`` or ``"remote"``.
+        host_block_ids: per lower block, its host block (``-1`` for remote).
+        hashes: per lower block, its hash.
+        num_tokens: tokens of the whole hit (pass as ``computed_tokens``).
+        query_tokens: tokens looked up.
+
+    >>> from kvfunc.core import PrefixHit
+    >>> hit = TieredHit(PrefixHit(4, {"f": (1,)}, 11), ("host", "remote"), (7, -1),
+    ...                 (b"h1", b"h2"), 12, 11)
+    >>> hit.host_blocks, hit.remote_blocks
+    (1, 1)
+    """
+
+    device: PrefixHit
+    sources: tuple[str, ...]
+    host_block_ids: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+    num_tokens: int
+    query_tokens: int
+
+    @property
+    def host_blocks(self) -> int:
+        """Blocks the hit loads from the host tier."""
+        return self.sources.count("host")
+
+    @property
+    def remote_blocks(self) -> int:
+        """Blocks the hit loads from the remote tier."""
+        return self.sources.count("remote")
+
+
+class TieredResult(NamedTuple):
+    """Outcome of :func:`allocate_tiered`: the state, the delta, the refused requests.
+
+    >>> from kvfunc.core import FullAttention, KVState, TieredState
+    >>> dev = KVState.create({"f": FullAttention(num_blocks=2, block_size=4)}, 64,
+    ...                      enable_prefix_caching=True)
+    >>> allocate_tiered(TieredState.create(dev), [("a", 0, 9)]).refused
+    ('a',)
+    """
+
+    state: TieredState
+    delta: TierDelta
+    refused: tuple[RequestId, ...]
+
+
+def lookup_tiers(state: TieredState, block_hashes: BlockHashes, *,
+                 max_tokens: int | None = None) -> TieredHit:
+    """The longest prefix of ``block_hashes`` held by the device, then the host, then remote.
+
+    Raises:
+        InvalidTypeError, InvalidArgumentError: as :func:`~kvfunc.lookup_prefix`.
+
+    >>> from kvfunc.core import BlockHashes, FullAttention, KVState, TieredState
+    >>> dev = KVState.create({"f": FullAttention(num_blocks=8, block_size=4)}, 64,
+    ...                      enable_prefix_caching=True)
+    >>> t = TieredState.create(dev, host_blocks=8)
+    >>> h = BlockHashes.of(range(12), 4)
+    >>> hit = lookup_tiers(t, h, max_tokens=11)
+    >>> hit.num_tokens, hit.sources, hit.query_tokens
+    (0, (), 11)
+    """
+    check_tiered(state)
+    dev = lookup_prefix(state.device, block_hashes, max_tokens=max_tokens)
+    key, bs = state.group_key, state.block_size
+    table = dev.block_ids[key]
+    n = len(table)
+    if state.device_pending:
+        n = next((i for i, b in enumerate(table) if b in state.device_pending), n)
+    if n < len(table):
+        dev = PrefixHit(n * bs, FrozenDict({key: table[:n]}), dev.query_tokens)
+    ratio = bs // block_hashes.block_size
+    limit = dev.query_tokens // bs
+    host, remote = state.host, state.remote
+    sources: list[str] = []
+    blocks: list[int] = []
+    hashes: list[bytes] = []
+    if host is not None or remote is not None:
+        digests = block_hashes.hashes
+        for j in range(n, limit):
+            d = digests[(j + 1) * ratio - 1]
+            entry = None if host is None else host.index.get(d)
+            if entry is not None:
+                sources.append("host")
+                blocks.append(entry.block)
+            elif remote is not None and remote.index.get(d) is not None:
+                sources.append("remote")
+                blocks.append(-1)
+            else:
+                break
+            hashes.append(d)
+    return TieredHit(dev, tuple(sources), tuple(blocks), tuple(hashes),
+                     (n + len(hashes)) * bs, dev.query_tokens)
+
+
+def _check_priorities(priorities: Any) -> dict[Any, int]:
+    if priorities is None:
+        return {}
+    if not isinstance(priorities, Mapping):
+        raise InvalidTypeError(f"priorities must be a mapping, got {excerpt(priorities)}")
+    out = {}
+    for rid, p in priorities.items():
+        check_request_id(rid)
+        if type(p) is not int:
+            raise InvalidTypeError(f"a priority must be an int, got {excerpt(p)}")
+        out[rid] = p
+    return out
+
+
+def _admission(state: TieredState, e: tuple[Any, ...]) -> SlotRequest:
+    """The device entry of an admission with a :class:`TieredHit` (checked against the tiers)."""
+    hit: TieredHit = e[7]
+    rid, computed, new = e[0], e[1], e[2]
+    check_request_id(rid)
+    if (type(hit.device) is not PrefixHit or type(hit.sources) is not tuple
+            or type(hit.host_block_ids) is not tuple or type(hit.hashes) is not tuple):
+        raise InvalidTypeError(f"a TieredHit of malformed fields: {excerpt(hit)}")
+    check_count("num_new_tokens", new)
+    if type(computed) is not int or computed != hit.num_tokens:
+        msg = (f"computed_tokens must equal the hit's num_tokens ({hit.num_tokens}) when "
+               f"admitting with a TieredHit, got {excerpt(computed)}")
+        raise InvalidArgumentError(msg)
+    hashes = e[6]
+    if type(hashes) is not BlockHashes:
+        raise InvalidTypeError(f"a TieredHit needs its BlockHashes, got {excerpt(hashes)}")
+    bs, first = state.block_size, hit.device.num_tokens // state.block_size
+    ratio = bs // hashes.block_size if bs % hashes.block_size == 0 else 0
+    lower = len(hit.hashes)
+    if (not ratio or hit.device.num_tokens % bs or first * bs + lower * bs != hit.num_tokens
+            or not len(hit.sources) == len(hit.host_block_ids) == lower
+            or hashes.num_blocks < (first + lower) * ratio):
+        raise InvalidArgumentError(f"the TieredHit of {excerpt(rid)} does not fit its hashes")
+    digests = hashes.hashes
+    for k, (src, block, d) in enumerate(zip(hit.sources, hit.host_block_ids, hit.hashes,
+                                            strict=True)):
+        entry = None if state.host is None else state.host.index.get(d)
+        ok = digests[(first + k + 1) * ratio - 1] == d and (
+            (src == "host" and entry is not None and entry.block == block) or
+            (src == "remote" and block == -1 and state.remote is not None
+             and state.remote.index.get(d) is not None))
+        if not ok:
+            msg = f"the TieredHit of {excerpt(rid)} is stale or foreign at block {first + k}"
+            raise InvalidArgumentError(msg)
+    return SlotRequest(rid, hit.device.num_tokens, new + lower * bs, e[3], e[4], e[5], hashes,
+                       hit.device)
+
+
+def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
+                    block_hashes: Mapping[RequestId, BlockHashes] | None = None,
+                    lookahead_tokens: int = 0,
+                    priorities: Mapping[RequestId, int] | None = None) -> TieredResult:
+    """One step, as :func:`~kvfunc.allocate_batch`, with loads for hits below the device.
+
+    An entry is any form ``allocate_batch`` takes; an admission whose hit
+    (the eighth field) is a :class:`TieredHit` loads the hit's lower blocks.
+    ``priorities`` gives requests their retention priority.
+
+    Raises:
+        InvalidArgumentError: an entry for a request with loads in flight; a
+            stale or foreign hit; anything ``allocate_batch`` refuses to take.
+        InvalidTypeError: a bad priority or entry.
+
+    >>> from kvfunc.core import BlockHashes, FullAttention, KVState, TieredState
+    >>> dev = KVState.create({"f": FullAttention(num_blocks=4, block_size=4)}, 64,
+    ...                      enable_prefix_caching=True)
+    >>> t = TieredState.create(dev, host_blocks=8)
+    >>> h = BlockHashes.of(range(12), 4)
+    >>> t = allocate_tiered(t, [("a", 0, 12)], block_hashes={"a": h}).state
+    >>> t, _ = free_tiered(t, "a")
+    >>> t = allocate_tiered(t, [("b", 0, 12)]).state      # evicts a's blocks: written back
+    >>> [(m.direction, m.src, m.dst) for m in t.moves.values()]
+    [('device->host', 3, 0), ('device->host', 2, 1), ('device->host', 1, 2)]
+    """
+    check_tiered(state)
+    prio = _check_priorities(priorities)
+    if isinstance(requests, str | bytes) or not isinstance(requests, Iterable):
+        raise InvalidTypeError(f"requests must be an iterable of entries, got {excerpt(requests)}")
+    entries: list[Any] = []
+    admits: dict[Any, TieredHit] = {}
+    for e in requests:
+        if isinstance(e, tuple) and len(e) == 8 and type(e[7]) is TieredHit:
+            entries.append(_admission(state, e))
+            if e[0] in admits:
+                raise InvalidArgumentError(f"request {excerpt(e[0])} is admitted twice")
+            admits[e[0]] = e[7]
+        else:
+            entries.append(e)
+    if state.loads:
+        for e in entries:
+            if isinstance(e, tuple) and e and is_request_id(e[0]) and e[0] in state.loads:
+                msg = f"request {excerpt(e[0])} has loads in flight: settle them first"
+                raise InvalidArgumentError(msg)
+    res = allocate_batch(state.device, entries, block_hashes=block_hashes,
+                         lookahead_tokens=lookahead_tokens)
+    work = TierWork(state)
+    work.device = res.state
+    refused = set(res.refused)
+    for rid, p in prio.items():
+        if rid not in refused and res.state.groups[0].row(rid) is not None:
+            work.prioritize(rid, p)
+    evicted = work.note_device(res.delta)
+    for rid, hit in admits.items():
+        if rid not in refused and hit.hashes:
+            _start_loads(work, rid, hit)
+    _follow_device(work, res.delta, evicted)
+    return TieredResult(work.freeze(), work.sink.build(res.delta), res.refused)
+
+
+def _start_loads(work: TierWork, rid: RequestId, hit: TieredHit) -> None:
+    """One load per lower block of an admitted hit, into the device blocks it was given."""
+    bs = work.src.block_size
+    table = get_block_ids(work.device, rid)[work.src.group_key]
+    first, p = hit.device.num_tokens // bs, work.priorities.get(rid, 0)
+    for k, (src, block, d) in enumerate(zip(hit.sources, hit.host_block_ids, hit.hashes,
+                                            strict=True)):
+        work.start(HOST_TO_DEVICE if src == "host" else REMOTE_TO_DEVICE, d, block,
+                   table[first + k], rid, p)
+
+
+def _follow_device(work: TierWork, delta: BlocksChanged, evicted: dict[int, int]) -> None:
+    """Start the stores the write policy asks for after the device did ``delta``."""
+    if not work.has_host or not (delta.evicted_block_ids or delta.stored_block_ids):
+        return
+    if work.src.write_policy == "write-back":
+        if not delta.evicted_block_ids:
+            return
+        stored_here: set[int] = set()
+        for op in delta.operations():
+            if type(op) is Stored:
+                stored_here.add(op.block_id)
+            elif type(op) is Evicted and op.block_id not in stored_here:
+                work.store_host(op.block_hash, op.block_id, evicted.get(op.block_id, 0))
+        return
+    for op in delta.operations():
+        if type(op) is Stored and op.block_id not in work.device_pending:
+            work.store_host(op.block_hash, op.block_id, work.priorities.get(op.request_id, 0))
+
+
+def free_tiered(state: TieredState, request_id: RequestId, *,
+                block_hashes: BlockHashes | None = None) -> tuple[TieredState, TierDelta]:
+    """Free a request's device blocks (:func:`~kvfunc.free_request`) and forget its priority.
+
+    Raises:
+        InvalidArgumentError: the request has loads in flight.
+        UnknownRequestError, InvalidTypeError: as ``free_request``.
+
+    >>> from kvfunc.core import FullAttention, KVState, TieredState
+    >>> dev = KVState.create({"f": FullAttention(num_blocks=4, block_size=4)}, 64,
+    ...                      enable_prefix_caching=True)
+    >>> t = allocate_tiered(TieredState.create(dev), [("a", 0, 5)], priorities={"a": 3}).state
+    >>> dict(t.priorities), dict(free_tiered(t, "a")[0].priorities)
+    ({'a': 3}, {})
+    """
+    check_tiered(state)
+    check_request_id(request_id)
+    if request_id in state.loads:
+        msg = f"request {excerpt(request_id)} has loads in flight: settle them first"
+        raise InvalidArgumentError(msg)
+    device, delta = free_request(state.device, request_id, block_hashes=block_hashes)
+    work = TierWork(state)
+    work.device = device
+    _follow_device(work, delta, work.note_device(delta))
+    if request_id in state.priorities:
+        work.forget(request_id)
+    return work.freeze(), work.sink.build(delta)

@@ -1,0 +1,94 @@
+"""``kvfunc simulate --host-memory / --remote``: tiers in the simulator, and their hostile flags."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_run import run_main  # the helper beside this file
+
+RUN = ("simulate", "--preset", "deepseek-v3", "--trace", "mooncake-conversation",
+       "--requests", "250", "--memory", "8GiB", "--no-plot", "--no-progress", "--json")
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (("--host-memory", "lots"), "--host-memory"),
+    (("--host-memory", "-5GiB"), "--host-memory"),
+    (("--host-memory", "0"), "--host-memory"),
+    (("--host-memory", "1KiB"), "holds 0 blocks"),
+    (("--host-memory", "100TiB"), "it must hold 1 to"),
+    (("--remote", "mooncake"), "--remote needs --host-memory"),
+    (("--host-memory", "1GiB", "--remote", "redis"), "--remote must be mooncake"),
+    (("--host-memory", "1GiB", "--remote", "mooncake:"), "--remote must be mooncake"),
+    (("--host-memory", "1GiB", "--remote", "mooncake:0"), "--remote size"),
+    (("--host-memory", "1GiB", "--remote", "mooncake:x" * 50), "--remote"),
+    (("--host-memory", "1GiB", "--host-bandwidth", "0"), "--host-bandwidth"),
+    (("--host-memory", "1GiB", "--host-bandwidth", "nan"), "--host-bandwidth"),
+    (("--host-memory", "1GiB", "--remote-bandwidth", "inf"), "--remote-bandwidth"),
+    (("--host-memory", "1GiB", "--remote-bandwidth=-3"), "--remote-bandwidth"),
+    (("--host-memory", "1GiB", "--write-policy", "sometimes"), "--write-policy"),
+    (("--host-memory", "1GiB", "--no-prefix-caching"), "need prefix caching"),
+])
+def test_hostile_tier_flags(capsys: pytest.CaptureFixture[str], flags: tuple[str, ...],
+                            needle: str) -> None:
+    """Each bad tier flag ends in one line naming it and exit 2."""
+    code, _, err = run_main(capsys, *RUN, *flags)
+    lines = err.strip().splitlines()
+    assert (code, len(lines), needle in err, len(err) < 400) == (2, 1, True, True), err
+
+
+def test_tiers_need_a_trace_with_blocks_and_one_group(capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    """A trace without block ids, or a model of several groups, is refused with exit 2."""
+    code, _, err = run_main(capsys, "simulate", "--preset", "llama-3-8b", "--trace", "conv",
+                            "--memory", "8GiB", "--host-memory", "8GiB", "--no-plot")
+    assert code == 2 and "prefix caching" in err, err
+    code, _, err = run_main(capsys, "simulate", "--preset", "gpt-oss-120b", "--trace",
+                            "mooncake-conversation", "--requests", "5", "--memory", "24GiB",
+                            "--host-memory", "8GiB", "--no-plot", "--no-progress")
+    assert code == 2 and "one full-attention group" in err, err
+
+
+def test_host_memory_hits_below_the_device(capsys: pytest.CaptureFixture[str]) -> None:
+    """A host tier adds host hits and loads to the same run, and never loses device hits."""
+    code, out, err = run_main(capsys, *RUN)
+    assert code == 0, err
+    plain = json.loads(out)
+    code, out, err = run_main(capsys, *RUN, "--host-memory", "64GiB")
+    assert code == 0, err
+    tiered = json.loads(out)
+    assert plain["tiers"] is None
+    t = tiered["tiers"]
+    assert t["hit_tokens"]["host"] > 0 and t["loaded_blocks"]["host"] > 0
+    assert t["stored_blocks"]["host"] > 0 and t["ttft_saved_s"] > 0
+    hits = sum(t["hit_tokens"].values())
+    assert hits == tiered["prefix_cache"]["hit_tokens"] > plain["prefix_cache"]["hit_tokens"]
+    code, out, err = run_main(capsys, *RUN, "--host-memory", "8GiB", "--remote", "mooncake",
+                              "--write-policy", "write-through")
+    assert code == 0, err
+    r = json.loads(out)["tiers"]
+    assert r["remote"] and r["stored_blocks"]["remote"] > 0 and r["hit_tokens"]["remote"] > 0
+
+
+def test_capacity_sweep_sweeps_host_memory() -> None:
+    """With --host-memory, each sweep point keeps --memory and takes its own host memory."""
+    from kvfunc.cli._offload import OffloadConfig
+    from kvfunc.cli._plan import Budget
+    from kvfunc.cli._presets import build_preset
+    from kvfunc.cli._simulate import SimulationConfig
+    from kvfunc.cli._sweep import run_sweep
+    from kvfunc.cli._trace import load_trace
+
+    cfg = SimulationConfig(build_preset("deepseek-v3"),
+                           load_trace("mooncake-conversation", limit=120), Budget(8 * 2**30),
+                           offload=OffloadConfig(32 * 2**30))
+    sweep = run_sweep(cfg, points=2, jobs=1)
+    assert [p.host_memory_bytes >> 30 for p in sweep.points] == [16, 32]
+    assert {p.memory_bytes for p in sweep.points} == {8 * 2**30}
+    small, large = sweep.points
+    assert small.capacity_tokens < large.capacity_tokens
+    assert small.hit_tokens <= large.hit_tokens

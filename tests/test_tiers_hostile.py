@@ -1,0 +1,145 @@
+"""Hostile arguments to the tier transitions: typed errors, short messages, nothing changed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvfunc as kf
+from kvfunc import BlockHashes, FullAttention, KVState, TieredState
+
+sys.path.insert(0, str(Path(__file__).parent))
+from junk import SHORT, junk  # the strategies beside this file
+
+
+def _busy() -> tuple[TieredState, BlockHashes, kf.TieredHit]:
+    """A tiered state with a host hit, stores in flight, and the hit's hashes."""
+    dev = KVState.create({"f": FullAttention(num_blocks=5, block_size=4)}, 64,
+                         enable_prefix_caching=True)
+    t = TieredState.create(dev, host_blocks=6, remote=True)
+    h = BlockHashes.of(range(13), 4)
+    t = kf.allocate_tiered(t, [("a", 0, 13)], block_hashes={"a": h}).state
+    t = kf.allocate_tiered(kf.free_tiered(t, "a")[0], [("b", 0, 16)]).state
+    t = kf.complete_moves(t, done=list(t.moves)).state
+    t = kf.free_tiered(t, "b")[0]
+    return t, h, kf.lookup_tiers(t, h, max_tokens=12)
+
+
+STATE, HASHES, HIT = _busy()
+LOADING = kf.allocate_tiered(STATE, [("c", 12, 1, 0, 0, None, HASHES, HIT)]).state
+
+
+def _refused(call: Any) -> None:
+    before = repr(STATE)
+    with pytest.raises(kf.KVFuncError) as info:
+        call()
+    assert len(str(info.value)) < SHORT, str(info.value)[:SHORT]
+    assert repr(STATE) == before
+
+
+@given(bad=junk())
+def test_junk_move_ids(bad: object) -> None:
+    """Junk in place of move ids is a typed error (or, if it names no id, a no-op)."""
+    try:
+        res = kf.complete_moves(STATE, done=bad)  # type: ignore[arg-type]
+    except kf.KVFuncError as exc:
+        assert len(str(exc)) < SHORT
+    else:
+        assert res.state.moves == STATE.moves and not res.delta.settled_ids
+
+
+@given(bad=junk())
+def test_junk_entries_and_priorities(bad: object) -> None:
+    """Junk entries, hits, priorities and request ids are typed errors and change nothing."""
+    for call in (
+        lambda: kf.allocate_tiered(STATE, [("c", 12, 1, 0, 0, None, HASHES, bad)]),
+        lambda: kf.allocate_tiered(STATE, [(bad, 12, 1, 0, 0, None, HASHES, HIT)]),
+        lambda: kf.allocate_tiered(LOADING, [(bad, 12, 1)]),
+        lambda: kf.allocate_tiered(STATE, bad),  # type: ignore[arg-type]
+        lambda: kf.allocate_tiered(STATE, [bad]),
+        lambda: kf.allocate_tiered(STATE, [("c", bad, 1, 0, 0, None, HASHES, HIT)]),
+        lambda: kf.allocate_tiered(STATE, [("c", 12, 1, 0, 0, None, bad, HIT)]),
+        lambda: kf.allocate_tiered(STATE, [("c", 0, 1)], priorities={"c": bad}),
+        lambda: kf.free_tiered(STATE, bad),  # type: ignore[arg-type]
+        lambda: kf.lookup_tiers(STATE, bad),  # type: ignore[arg-type]
+        lambda: kf.loads_pending(STATE, bad),  # type: ignore[arg-type]
+        lambda: kf.replay_tiered(STATE, [bad]),  # type: ignore[list-item]
+    ):
+        try:
+            call()
+        except kf.KVFuncError as exc:
+            assert len(str(exc)) < SHORT
+        assert kf.lookup_tiers(STATE, HASHES, max_tokens=12) == HIT
+
+
+@given(sources=st.lists(st.sampled_from(["host", "remote", "disk"]), min_size=3, max_size=3),
+       blocks=st.lists(st.integers(-2, 8), min_size=3, max_size=3))
+def test_forged_hits_are_refused(sources: list[str], blocks: list[int]) -> None:
+    """A hit whose blocks the tiers do not hold as it says is refused as stale or foreign."""
+    forged = kf.TieredHit(HIT.device, tuple(sources), tuple(blocks), HIT.hashes,
+                          HIT.num_tokens, HIT.query_tokens)
+    entry = ("c", 12, 1, 0, 0, None, HASHES, forged)
+    if forged == HIT:
+        assert not kf.allocate_tiered(STATE, [entry]).refused
+    else:
+        _refused(lambda: kf.allocate_tiered(STATE, [entry]))
+
+
+def test_a_hit_of_other_hashes_is_refused() -> None:
+    """A hit looked up for one prompt cannot load blocks into another prompt's request."""
+    other = BlockHashes.of(range(100, 113), 4)
+    _refused(lambda: kf.allocate_tiered(STATE, [("c", 12, 1, 0, 0, None, other, HIT)]))
+    _refused(lambda: kf.allocate_tiered(STATE, [("c", 8, 1, 0, 0, None, HASHES, HIT)]))
+    _refused(lambda: kf.allocate_tiered(STATE, [("c", 12, 1, 0, 0, None, HASHES, HIT),
+                                                ("c", 12, 1, 0, 0, None, HASHES, HIT)]))
+
+
+def test_replay_refuses_a_log_that_does_not_fit() -> None:
+    """A delta applied to a state it does not fit is a ReplayMismatchError."""
+    r = kf.allocate_tiered(STATE, [("c", 12, 1, 0, 0, None, HASHES, HIT)])
+    assert kf.replay_tiered(STATE, [r.delta]) == r.state
+    with pytest.raises(kf.ReplayMismatchError):
+        kf.replay_tiered(r.state, [r.delta])
+    done = kf.complete_moves(r.state, done=list(r.state.moves))
+    with pytest.raises(kf.ReplayMismatchError):
+        kf.replay_tiered(STATE, [done.delta])
+
+
+FIELDS = ("moved_ids", "moved_directions", "moved_hashes", "moved_src_block_ids",
+          "moved_dst_block_ids", "moved_request_ids", "moved_priorities",
+          "prioritized_request_ids", "prioritized_priorities", "settled_ids",
+          "settled_outcomes", "order")
+
+
+@given(field=st.sampled_from(FIELDS), index=st.integers(0, 3), bad=junk())
+def test_a_tampered_log_is_refused_or_replays(field: str, index: int, bad: object) -> None:
+    """A log with one cell replaced by junk is a ReplayMismatchError, or replays as written."""
+    import attrs
+
+    r = kf.allocate_tiered(STATE, [("c", 12, 1, 0, 0, None, HASHES, HIT)], priorities={"c": 2})
+    done = kf.complete_moves(r.state, done=list(r.state.moves)[:2])
+    deltas = [r.delta, done.delta]
+    k = index % 2
+    column = getattr(deltas[k], field)
+    if not column:
+        return
+    if field == "order":
+        cells = list(column)
+        cells[index % len(cells)] = bad if isinstance(bad, str) else "Q"
+        value: Any = "".join(map(str, cells))
+    else:
+        cells = list(column)
+        cells[index % len(cells)] = bad
+        value = tuple(cells)
+    deltas[k] = attrs.evolve(deltas[k], **{field: value})
+    try:
+        final = kf.replay_tiered(STATE, deltas)
+    except kf.ReplayMismatchError as exc:
+        assert len(str(exc)) < SHORT
+    else:
+        kf.check_tiered_invariants(final)
