@@ -270,7 +270,7 @@ class GroupCopy:
         pool, sink, n = self.pool, self.sink, row.length
         lead = leading_nulls(entries) if n == row.nulls else 0
         stored = max(row.stored, row.nulls + lead)
-        pool.share_run(entries)
+        pool.share(entries)
         if self.caching and n <= stored < n + len(entries):  # over the entries cached already
             keys = list(map(pool.hash_of.__getitem__, entries[stored - n:]))
             stored += keys.index(None) if None in keys else len(keys)

@@ -217,9 +217,8 @@ class PoolCopy:
                 refs[b] = 1
             if self.num_cached:
                 hash_of = self.hash_of
-                cached = [b for b in out if hash_of[b] is not None]
-                if cached:
-                    self._evict_run(cached, [hash_of[b] for b in cached])
+                if cached := [b for b in out if hash_of[b] is not None]:
+                    self._evict_run(cached)
         return out
 
     def free(self, ids: Sequence[int], key: str) -> None:
@@ -228,23 +227,18 @@ class PoolCopy:
             return
         if not self.writable:
             self.writing()
-        sink = self.sink
+        queue = self.queue
         if not self.linked:
-            self.queue.push_back(ids)
-            if sink is not None:
-                sink.rows.extend([(key, b) for b in ids])
-                sink.codes.append("F" * len(ids))
-            return
-        hash_of = self.hash_of
-        front: Sequence[int]
-        back: Sequence[int]
-        if hash_of is None or not self.num_cached:
-            front, back = ids, ()
-        else:  # a key is never empty: the cached blocks go to the back, the others first
+            queue.push_back(ids)
+        elif self.hash_of is None or not self.num_cached:
+            queue.push_front(ids)
+        else:  # cached blocks go to the back (evicted last), the others to the front
+            hash_of = self.hash_of
             front = [b for b in ids if hash_of[b] is None]
-            back = [b for b in ids if hash_of[b] is not None] if len(front) < len(ids) else ()
-        self.queue.push_back(back)
-        self.queue.push_front(front)
+            if len(front) < len(ids):
+                queue.push_back([b for b in ids if hash_of[b] is not None])
+            queue.push_front(front)
+        sink = self.sink
         if sink is not None:  # in release order: replay frees the whole run at once
             sink.rows.extend([(key, b) for b in ids])
             sink.codes.append("F" * len(ids))
@@ -263,18 +257,8 @@ class PoolCopy:
         self.free([b for b, r in zip(ids, left, strict=True) if not r] if any(left) else ids,
                   key)
 
-    def share(self, b: int) -> None:
-        """Add a holder to block ``b``; a free block (a cached one) leaves the queue."""
-        if not self.writable:
-            self.writing()
-        refs = self.refs
-        r = refs[b]
-        if not r:
-            self.queue.remove(b)
-        refs[b] = r + 1
-
-    def share_run(self, entries: Sequence[int]) -> None:
-        """:meth:`share` each non-null entry of ``entries``."""
+    def share(self, entries: Sequence[int]) -> None:
+        """Add a holder to each non-null entry's block; a free one (cached) leaves the queue."""
         if not self.writable:
             self.writing()
         ids = [b for b in entries if b] if 0 in entries else entries
@@ -305,8 +289,7 @@ class PoolCopy:
 
     def free_ids(self) -> list[int]:
         """Every free block in hand-out order (O(free); for checks and the compat pool)."""
-        ids: list[int] = self.queue.ids()
-        return ids
+        return list(self.queue.ids())
 
     # -- the hash index ---------------------------------------------------------------
     def tag_of(self, member: str) -> bytes | None:
@@ -342,37 +325,24 @@ class PoolCopy:
             hash_of[b] = key
         self.num_cached += len(blocks)
 
-    def _evict(self, b: int) -> None:
-        """Forget what block ``b`` caches; records the E row under its member group's key."""
-        self._evict_run([b], [self.hash_of[b]])
-
-    def _evict_run(self, blocks: list[int], keys: list[bytes]) -> None:
-        """Forget what ``blocks`` cache (under ``keys``); records their E rows, in order."""
-        index = self.by_key
-        if all([type(index[k]) is int for k in keys]):  # each the key's only block: common
-            for k in keys:
-                del index[k]
-        else:
-            for b, key in zip(blocks, keys, strict=True):
-                found_now = index[key]
-                if type(found_now) is int:
-                    del index[key]
-                else:
-                    rest = tuple(x for x in found_now if x != b)
-                    index[key] = rest[0] if len(rest) == 1 else rest
-        hash_of = self.hash_of
-        for b in blocks:
+    def _evict_run(self, blocks: list[int]) -> None:
+        """Forget what ``blocks`` cache; records their E rows, in order."""
+        index, hash_of = self.by_key, self.hash_of
+        keys = [hash_of[b] for b in blocks]
+        for b, key in zip(blocks, keys, strict=True):
+            found = index[key]
+            if type(found) is int:
+                del index[key]
+            else:
+                rest = tuple(x for x in found if x != b)
+                index[key] = rest[0] if len(rest) == 1 else rest
             hash_of[b] = None
         self.num_cached -= len(blocks)
         sink = self.sink
         if sink is not None:
-            if self.tagged:
-                members = self.members
-                sink.rows.extend([(members[k[-1]], b, k[:-1])
-                                  for b, k in zip(blocks, keys, strict=True)])
-            else:
-                member = self.members[0]
-                sink.rows.extend([(member, b, k) for b, k in zip(blocks, keys, strict=True)])
+            members, pairs = self.members, zip(blocks, keys, strict=True)
+            sink.rows.extend([(members[k[-1]], b, k[:-1]) for b, k in pairs] if self.tagged
+                             else [(members[0], b, k) for b, k in pairs])
             sink.codes.append("E" * len(blocks))
 
     def evict(self, b: int) -> bool:
@@ -384,7 +354,7 @@ class PoolCopy:
             return False
         if not self.writable:
             self.writing()
-        self._evict(b)
+        self._evict_run([b])
         return True
 
     def drop(self, ids: Sequence[int], key: str) -> None:
