@@ -71,6 +71,15 @@ class Log:
         if self.state.moves:
             self.complete(done=list(self.state.moves))
 
+    def stored_below(self, tokens: list[int], filler: int) -> None:
+        """Cache ``tokens`` as request "a", then let a ``filler``-token request "b" evict them
+        from the device: their stores to the tier below settle, and "b" is freed."""
+        self.run("a", tokens)
+        self.free("a")
+        self.run("b", _tokens(2, filler))
+        self.settle_all()
+        self.free("b")
+
 
 def test_no_tiers_is_the_device_alone() -> None:
     """Without tiers, a tiered step makes the device state allocate_batch makes, and no moves."""
@@ -111,11 +120,7 @@ def test_failed_load_recomputes_and_forgets_the_block() -> None:
     """A failed load reports the tokens to recompute from; the device stops caching that block."""
     log = Log(TieredState.create(_device(5), host_blocks=8))
     a = _tokens(1, 13)
-    log.run("a", a)
-    log.free("a")
-    log.run("b", _tokens(2, 16))
-    log.settle_all()
-    log.free("b")
+    log.stored_below(a, 16)
     res = log.run("a2", a)
     ids = [m[0] for m in res.delta.moves() if m[1] == "host->device"]
     out = log.complete(done=[ids[0]], failed=[ids[1], ids[2]])
@@ -220,11 +225,7 @@ def test_a_block_being_loaded_is_no_hit() -> None:
     """While a load writes a device block, lookups stop before it and find the host copy."""
     log = Log(TieredState.create(_device(9), host_blocks=8))
     a = _tokens(1, 13)
-    log.run("a", a)
-    log.free("a")
-    log.run("b", _tokens(2, 32))
-    log.settle_all()
-    log.free("b")
+    log.stored_below(a, 32)
     log.run("a2", a)
     assert loads_pending(log.state, "a2") == 3
     h = BlockHashes.of(a, BS)
