@@ -30,6 +30,7 @@ from kvfunc.core import (
     InvalidArgumentError,
     InvalidTypeError,
     MissingKeyError,
+    TierDelta,
 )
 from kvfunc.shell._tables import int_array
 
@@ -227,6 +228,10 @@ def apply_delta(tensors_by_key: Mapping[str, TensorSet], delta: BlocksChanged, *
     delta, have been handed out to another request as a new block.  Every
     key's operations are checked before any tensor is written.
 
+    A tiered transition's :class:`~kvfunc.TierDelta` applies its device
+    delta; its moves are the caller's to run afterwards (a load into a new
+    block must land after the block is zeroed).
+
     Keys whose tensors share memory (the overlaid views of a shared pool,
     :func:`kvfunc.shell.with_shared_cache_tensors`) are one block space: a
     copy of one group waits for another group's earlier copy that writes its
@@ -253,8 +258,11 @@ def apply_delta(tensors_by_key: Mapping[str, TensorSet], delta: BlocksChanged, *
     >>> apply_delta({"full": [t]}, d, zero_new_blocks=True); t[:, 0].tolist()
     [1.0, 4.0, 3.0, 0.0]
     """
+    if isinstance(delta, TierDelta):
+        delta = delta.device
     if not isinstance(delta, BlocksChanged):
-        raise InvalidTypeError(f"expected a BlocksChanged delta, got {type(delta).__name__}")
+        msg = f"expected a BlocksChanged or TierDelta delta, got {type(delta).__name__}"
+        raise InvalidTypeError(msg)
     copies: list[tuple[str, int, int]] = []
     appended: list[tuple[int, str, int]] = []  # (copies before it, key, block)
     seeded: set[tuple[str, int]] = set()

@@ -49,6 +49,7 @@ from kvfunc.core import (
     InvalidTypeError,
     KVState,
     RequestId,
+    TierDelta,
     UnknownRequestError,
 )
 from kvfunc.shell._buffer_delta import DeltaPlan, mismatch
@@ -295,21 +296,27 @@ class BlockTableBuffer:
                    f"buffer's width: blocks={length}, width={spec.width}")
             raise InvalidArgumentError(msg)
 
-    def apply(self, delta: BlocksChanged) -> None:
+    def apply(self, delta: BlocksChanged | TierDelta) -> None:
         """Bring the tables up to date with one transition's delta.
 
         Rows of groups the buffer does not track are ignored.  Either the
-        whole delta is applied or, on error, nothing.
+        whole delta is applied or, on error, nothing.  A tiered transition's
+        :class:`~kvfunc.TierDelta` changes the tables through its device
+        delta only: its moves copy block contents, never table entries.
 
         Raises:
-            InvalidTypeError: not a :class:`~kvfunc.BlocksChanged`.
+            InvalidTypeError: not a :class:`~kvfunc.BlocksChanged` or
+                :class:`~kvfunc.TierDelta`.
             ReplayMismatchError: the delta names rows or positions the buffer
                 does not have (it was not built from the delta's state).
             InvalidArgumentError: a table would pass its width, or more
                 requests than rows.
         """
+        if isinstance(delta, TierDelta):
+            delta = delta.device
         if not isinstance(delta, BlocksChanged):
-            raise InvalidTypeError(f"expected a BlocksChanged delta, got {type(delta).__name__}")
+            msg = f"expected a BlocksChanged or TierDelta delta, got {type(delta).__name__}"
+            raise InvalidTypeError(msg)
         if delta.version != DELTA_VERSION:
             raise mismatch(f"version {delta.version} is not {DELTA_VERSION}")
         if delta.is_empty:

@@ -145,6 +145,9 @@ def test_apply_delta_zeroes_new_blocks_and_copies() -> None:
     expected["full"] = moved(tensors["full"], [1, 2], [5, 6])
     apply_delta(tensors, fork)
     assert same(expected["full"], tensors["full"])
+    expected["full"] = moved(tensors["full"], [1, 2], [5, 6])
+    apply_delta(tensors, kf.TierDelta(device=fork))  # a tiered delta: its device part
+    assert same(expected["full"], tensors["full"])
 
 
 def test_apply_delta_checks_every_key_before_writing() -> None:
@@ -160,5 +163,5 @@ def test_apply_delta_checks_every_key_before_writing() -> None:
     with pytest.raises(MissingKeyError, match="manager_key='swa', which has no tensors"):
         apply_delta({"full": tensors["full"]}, delta, zero_new_blocks=True)
     assert same(before, tensors["full"])
-    with pytest.raises(InvalidTypeError, match="expected a BlocksChanged delta"):
+    with pytest.raises(InvalidTypeError, match="expected a BlocksChanged or TierDelta delta"):
         apply_delta(tensors, None)  # type: ignore[arg-type]

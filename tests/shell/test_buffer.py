@@ -206,7 +206,7 @@ def test_bad_deltas_raise_typed_errors() -> None:
     """Not a delta, another version, a double registration: typed errors."""
     state = two_groups()
     buf = BlockTableBuffer.from_state(state, max_num_requests=2)
-    with pytest.raises(InvalidTypeError, match="expected a BlocksChanged delta"):
+    with pytest.raises(InvalidTypeError, match="expected a BlocksChanged or TierDelta delta"):
         buf.apply("delta")  # type: ignore[arg-type]
     with pytest.raises(ReplayMismatchError, match="version 99"):
         buf.apply(BlocksChanged(version=99))
@@ -278,3 +278,38 @@ def test_constructor_checks() -> None:
         BlockTableBuffer([TableSpec("f", 4, 2), TableSpec("f", 4, 2)], 1)
     with pytest.raises(InvalidArgumentError, match="table width"):
         BlockTableBuffer([TableSpec("f", 4, -2)], 1)
+
+
+def test_a_tiered_runs_deltas_keep_the_tables_of_its_device() -> None:
+    """Every delta of a tiered run (stores down, a hit from the host tier, its loads) applied
+    in order: the tables equal the device state's; moves change no table entry."""
+    device = kf.KVState.create({"full": kf.FullAttention(num_blocks=5, block_size=4)}, 64,
+                               enable_prefix_caching=True, free_order="vllm")
+    state = kf.TieredState.create(device, host_blocks=8)
+    buf = BlockTableBuffer.from_state(device, max_num_requests=2)
+
+    def step(result: kf.TieredResult | kf.MovesResult | tuple[kf.TieredState, kf.TierDelta]
+             ) -> kf.TieredState:
+        new, delta = (result[0], result[1]) if type(result) is tuple else (
+            result.state, result.delta)  # type: ignore[union-attr]
+        buf.apply(delta)
+        check_against_rebuild(buf, new.device)
+        return new
+
+    def admit(state: kf.TieredState, rid: str, tokens: list[int]) -> kf.TieredState:
+        h = kf.BlockHashes.of(tokens, 4)
+        hit = kf.lookup_tiers(state, h, max_tokens=len(tokens) - 1)
+        entry = (rid, hit.num_tokens, len(tokens) - hit.num_tokens, 0, 0, None, h, hit)
+        return step(kf.allocate_tiered(state, [entry]))
+
+    prompt = list(range(100, 113))
+    state = step(kf.free_tiered(admit(state, "a", prompt), "a"))
+    state = admit(state, "b", list(range(200, 216)))  # evicts a's blocks: stored to the host
+    state = step(kf.complete_moves(state, done=list(state.moves)))
+    state = step(kf.free_tiered(state, "b"))
+    state = admit(state, "a2", prompt)  # a hit from the host tier: loads into new blocks
+    assert "host->device" in {m.direction for m in state.moves.values()}  # (and b's stores)
+    state = step(kf.complete_moves(state, done=list(state.moves)))
+    assert buf.request_ids == ("a2",)
+    with pytest.raises(InvalidTypeError):
+        buf.apply(kf.TierDelta(device="junk"))  # type: ignore[arg-type]
