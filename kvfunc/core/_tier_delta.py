@@ -23,7 +23,7 @@ The device operations happen first (the device delta), then the tier
 operations in ``order``.  Moves of one delta run in row order: a move that
 reads a block comes before a move that writes it, and the shell lets a
 reading move finish reading before it starts the next one.
-:func:`~kvfunc.core._tier_replay.replay_tiered` folds over both parts.
+:func:`~kvfunc.core._tier_checks.replay_tiered` folds over both parts.
 """
 
 from __future__ import annotations
