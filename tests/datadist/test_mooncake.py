@@ -37,8 +37,13 @@ def prompt() -> Iterator[PeerProcess]:
 
 @pytest.fixture
 def decoder(prompt: PeerProcess) -> Iterator[dd.LLMDataDist]:
-    """A decoder over Mooncake in this process, linked to the prompt cluster."""
-    d = dd.LLMDataDist(dd.LLMRole.DECODER, 1, options(**MOONCAKE))
+    """A decoder over Mooncake in this process, linked to the prompt cluster.
+
+    Its pulls wait 10 s, not the 3 s of other test clusters: a Mooncake TCP
+    read now and then takes seconds to start on a loaded machine.
+    """
+    d = dd.LLMDataDist(dd.LLMRole.DECODER, 1,
+                       options(**MOONCAKE, **{"llm.SyncKvCacheWaitTime": 10000}))
     try:
         assert [LLMStatusCode.LLM_SUCCESS] == d.link_clusters(
             [dd.ClusterInfo(0, *prompt.address)])[1]
