@@ -10,8 +10,9 @@ tokens into the request's blocks).  After every step it checks:
 * a hit never hands out a block whose tokens differ from the request's (a
   saved state must be the state after exactly the hit's tokens);
 * no step writes a block that another request also holds (copy-on-write);
-* evictions follow LRU order: the evicted blocks are, in order, the cached
-  blocks that became free the longest ago (by the model's own rules);
+* evictions follow LRU order within retention priorities: the evicted blocks
+  are, in order, the cached blocks of the lowest priority that became free the
+  longest ago (by the model's own rules; frees draw a priority);
 * old states are never changed.
 """
 
@@ -53,7 +54,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}  # running request -> its tokens
         self.computed: dict[int, int] = {}
         self.content: dict[tuple[str, int], Any] = {}  # (group, block) -> {slot: token} / state
-        self.lru: dict[str, list[int]] = {}  # cached free blocks, oldest first (model)
+        self.lru: dict[str, list[int]] = {}  # cached free blocks, evicted first first (model)
+        self.priority: dict[tuple[str, int], int] = {}  # (pool, block) in an LRU: its priority
         self.history: list[tuple[kf.KVState, Any]] = []
         self.next_id = 0
 
@@ -89,14 +91,21 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         takes it out; an eviction must take the LRU's old end; a copy carries its
         source's contents; a new block is zeroed by the shell.
         """
+        level = 0  # a Retained row's priority, for the Freed rows after it
         for op in delta.operations():
             kind = type(op).__name__
             event(kind)
             lru = self.lru[self.pool[op.key]] if hasattr(op, "key") else []
-            if isinstance(op, kf.core.Freed) and any(
+            if isinstance(op, kf.core.Retained):
+                level = op.priority
+            elif isinstance(op, kf.core.Freed) and any(
                     op.block_id in self.cached[k] for k in self.pool
                     if self.pool[k] == self.pool[op.key]):
-                lru.append(op.block_id)
+                # behind every cached free block of the same or a lower priority
+                pool = self.pool[op.key]
+                at = sum(self.priority[pool, b] <= level for b in lru)
+                lru.insert(at, op.block_id)
+                self.priority[pool, op.block_id] = level
             elif isinstance(op, kf.core.Shared) and op.block_id in lru:
                 lru.remove(op.block_id)
             elif isinstance(op, kf.core.Evicted):
@@ -261,8 +270,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        priority = data.draw(st.sampled_from([0, 0, 0, -1, 2, 5]), label="priority")
         order = [kb for g in self.state.groups for kb in self._released(g.key, self.state, rid)]
-        state, delta = kf.free_request(self.state, rid)
+        state, delta = kf.free_request(self.state, rid, priority=priority)
         assert list(zip(delta.freed_keys, delta.freed_block_ids, strict=True)) == order
         del self.tokens[rid], self.computed[rid]
         self._commit(state, delta)

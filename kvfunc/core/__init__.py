@@ -34,7 +34,7 @@ from kvfunc.core._cache_info import (
     ModelCacheInfo,
     OffloadWorkspaceMemoryInfo,
 )
-from kvfunc.core._checks import MAX_NUM_BLOCKS
+from kvfunc.core._checks import MAX_NUM_BLOCKS, MAX_PRIORITY
 from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, DELTA_VERSION, BlocksChanged
 from kvfunc.core._detach import DetachResult, detach_request, evict_blocks, free_detached
 from kvfunc.core._dtypes import dtype_itemsize
@@ -73,6 +73,7 @@ from kvfunc.core._ops import (
     Operation,
     Registered,
     Released,
+    Retained,
     Shared,
     Stored,
 )
@@ -157,6 +158,7 @@ __all__ = [
     "HASH_FUNCTIONS",
     "LAYOUTS",
     "MAX_NUM_BLOCKS",
+    "MAX_PRIORITY",
     "MOVE_DIRECTIONS",
     "NULL_BLOCK",
     "SUPPORTED_CACHE_LAYOUTS",
@@ -217,6 +219,7 @@ __all__ = [
     "RemoteTier",
     "ReplayMismatchError",
     "RequestId",
+    "Retained",
     "Shared",
     "SharedPageLayout",
     "SharedPoolSizing",

@@ -15,9 +15,11 @@ from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = [
     "MAX_NUM_BLOCKS",
+    "MAX_PRIORITY",
     "check_count",
     "check_int",
     "check_manager_keys",
+    "check_priority",
     "check_request_id",
     "excerpt",
     "is_request_id",
@@ -145,6 +147,30 @@ but got 0
         raise InvalidTypeError(msg)
     if value < minimum:
         msg = f"{owner} {name} must be >= {minimum}, but got {excerpt(value)}"
+        raise InvalidArgumentError(msg)
+    return value
+
+
+#: Retention priorities run from ``-MAX_PRIORITY`` to ``MAX_PRIORITY`` (0 is the default).
+MAX_PRIORITY = 1000
+
+
+def check_priority(value: object) -> int:
+    """``value`` if it is a retention priority: an ``int`` within ``±MAX_PRIORITY``.
+
+    A free queue keeps one marker per priority in use, so the range bounds it.
+
+    >>> check_priority(-3)
+    -3
+    >>> check_priority(10**6)
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidArgumentError: a priority must be within -1000..1000, but got 1000000
+    """
+    if type(value) is not int:
+        raise InvalidTypeError(f"a priority must be an int, but got {excerpt(value)}")
+    if not -MAX_PRIORITY <= value <= MAX_PRIORITY:
+        msg = f"a priority must be within {-MAX_PRIORITY}..{MAX_PRIORITY}, but got {excerpt(value)}"
         raise InvalidArgumentError(msg)
     return value
 

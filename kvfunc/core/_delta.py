@@ -35,6 +35,8 @@ over the operations in the one order that reproduces the transition::
                        blocks kept by a holder outside the
                        tables (a deferred free)
     X     dropped      a detached holder let a block go      Dropped(key, block_id)
+    Y     retained     the next Freed run's cached blocks    Retained(key, priority)
+                       wait at a retention priority (not 0)
 
 A copy's ``position`` says what it is: a table position (copy-on-write: the
 destination came from the free queue and replaces the source there),
@@ -43,7 +45,7 @@ given) or :data:`COPY_SAVED` (the destination came from the free queue only
 to hold a saved state: it is cached, then freed).  Copies run in row order:
 a copy may read a block an earlier copy wrote.  An eviction comes before the
 append or copy that took its block.  Only states with prefix caching produce
-the S, C, T, E, Z and H families.
+the S, C, T, E, Z, H and Y families.
 
 A delta read from outside is checked by :meth:`BlocksChanged.operations`
 before any reader sees a row: parallel columns of the right cell types
@@ -175,6 +177,8 @@ class BlocksChanged:
     detached_request_ids: _Column[tuple[int | str, ...]] = _Column()
     dropped_keys: _Column[tuple[str, ...]] = _Column()
     dropped_block_ids: _Column[tuple[int, ...]] = _Column()
+    retained_keys: _Column[tuple[str, ...]] = _Column()
+    retained_priorities: _Column[tuple[int, ...]] = _Column()
 
     def __init__(self, version: int = DELTA_VERSION, order: str = "", **columns: Any) -> None:
         cols = [_EMPTY] * len(COLUMN_NAMES)
@@ -214,11 +218,10 @@ class BlocksChanged:
             _set(self, "_columns", cols)
         return cols
 
-    def __setattr__(self, name: str, value: object) -> None:
+    def __setattr__(self, name: str, value: object = None) -> None:
         raise attrs.exceptions.FrozenInstanceError
 
-    def __delattr__(self, name: str) -> None:
-        raise attrs.exceptions.FrozenInstanceError
+    __delattr__ = __setattr__
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not BlocksChanged:
@@ -234,10 +237,8 @@ class BlocksChanged:
 
     def __repr__(self) -> str:
         shown = [f"version={self.version!r}"]
-        if self.order:
-            shown.append(f"order={self.order!r}")
-        shown += [f"{name}={col!r}" for name, col in zip(COLUMN_NAMES, self.columns(), strict=True)
-                  if col]
+        shown += [f"order={self.order!r}"] * bool(self.order) + [
+            f"{n}={col!r}" for n, col in zip(COLUMN_NAMES, self.columns(), strict=True) if col]
         return f"BlocksChanged({', '.join(shown)})"
 
     @property
@@ -330,8 +331,7 @@ def family_rows(d: BlocksChanged) -> dict[str, list[tuple[Any, ...]]]:
     return rows
 
 
-_INT, _STR, _BYTES = frozenset({int}), frozenset({str}), frozenset({bytes})
-_TOKENS = frozenset({tuple})
+_INT, _STR, _BYTES, _TOKENS = (frozenset({t}) for t in (int, str, bytes, tuple))
 _NONE_TYPE = type(None)
 
 

@@ -160,8 +160,8 @@ class GroupCopy:
             sink.codes.append("R")
         return make_row((), 0, 0, 0, seq)
 
-    def release(self, request_id: Any) -> None:
-        """Drop the request's row and release its blocks; records L, then the pool's F rows.
+    def release(self, request_id: Any, priority: int = 0) -> None:
+        """Drop the request's row and release its blocks; records L, then the pool's Y, F rows.
 
         Without reference counts the blocks go back in logical order (the
         seed's); with them, last block first, so a prefix's tail is evicted
@@ -173,7 +173,7 @@ class GroupCopy:
         if sink is not None:
             sink.rows.append((self.key, request_id))
             sink.codes.append("L")
-        self.pool.release(self.release_order(row), self.key)
+        self.pool.release(self.release_order(row), self.key, priority)
 
     def detach(self, request_id: Any) -> tuple[int, ...]:
         """Drop the request's row, its blocks kept by a holder outside the tables (records D).
@@ -333,7 +333,7 @@ class GroupCopy:
         if sink is not None:
             sink.rows.append((self.key, request_id, COPY_SAVED, row.ids[row.nulls], dst))
             sink.codes.append("C")
-        pool.store(dst, cache_key(h, self.tag))
+        pool.store_run((dst,), (cache_key(h, self.tag),))
         if sink is not None:
             sink.rows.append((self.key, request_id, COPY_SAVED, dst, h,
                                 hashes.parent_hash(index), ()))

@@ -72,6 +72,7 @@ def _check_pool(pool: PoolState, groups: list[GroupState]) -> None:
         assert not set(held) & set(detached), f"{name}: a block is held and detached"
     else:
         _check_refs(pool, held, detached, free)
+        _check_links(pool)
     if pool.hash_of is not None:
         _check_cache(pool, groups)
     total = len(free) + len(set(held) | set(detached))
@@ -100,6 +101,25 @@ def _check_refs(pool: PoolState, held: Counter[int], detached: dict[int, int],
     assert list(refs) == want, f"{pool.name}: reference counts differ from the holders"
     nobody = {b for b in range(1, pool.num_blocks) if not want[b]}
     assert nobody == set(free), f"{pool.name}: the free blocks are not those nobody holds"
+
+
+def _check_links(pool: PoolState) -> None:
+    """A linked queue's links agree both ways; its markers come in priority order."""
+    q = pool.queue
+    s, nxt, prev = q.sentinel, q.next, q.prev
+    assert s == pool.num_blocks, f"{pool.name}: the sentinel is {s}, not {pool.num_blocks}"
+    walk, b = [s], nxt[s]
+    while b != s and len(walk) <= len(nxt):
+        assert prev[b] == walk[-1], f"{pool.name}: node {b}'s prev link is broken"
+        walk.append(b)
+        b = nxt[b]
+    assert b == s and prev[s] == walk[-1], f"{pool.name}: the free queue is not one ring"
+    marks = {m: p for p, m in q.levels}
+    assert sorted(marks) == list(range(s + 1, len(nxt))), f"{pool.name}: stray marker nodes"
+    order = [marks[m] for m in walk if m > s]
+    assert order == sorted(order) and len(order) == len(marks), (
+        f"{pool.name}: retention markers out of order: {order}")
+    assert not marks or 0 in marks.values(), f"{pool.name}: markers without priority 0's"
 
 
 def _check_cache(pool: PoolState, groups: list[GroupState]) -> None:

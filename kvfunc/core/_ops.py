@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "COLUMNS", "FAMILIES", "RECORDS", "Appended", "Cleared", "Copied", "Detached", "Dropped",
-    "Evicted", "Freed", "LookedUp", "Nulled", "Operation", "Registered", "Released", "Shared",
+    "Evicted", "Freed", "LookedUp", "Nulled", "Operation", "Registered", "Released", "Retained",
+    "Shared",
     "Stored",
 ]
 
@@ -110,6 +111,13 @@ class Dropped(NamedTuple):
     block_id: int
 
 
+class Retained(NamedTuple):
+    """The cached blocks of the Freed run after it wait at retention ``priority`` (not 0)."""
+
+    key: str
+    priority: int
+
+
 class LookedUp(NamedTuple):
     """An admission asked the prefix cache: tokens hit and tokens looked up."""
 
@@ -119,7 +127,7 @@ class LookedUp(NamedTuple):
 
 
 Operation = (Registered | Released | Nulled | Freed | Appended | Shared | Copied | Stored
-             | Evicted | Cleared | LookedUp | Detached | Dropped)
+             | Evicted | Cleared | LookedUp | Detached | Dropped | Retained)
 
 #: ``(code, family prefix, record type)`` in field order; the columns of a family are
 #: ``f"{prefix}_{name}"`` for the record's fields, pluralised.
@@ -128,13 +136,14 @@ FAMILIES: tuple[tuple[str, str, type[Any]], ...] = (
     ("F", "freed", Freed), ("A", "appended", Appended), ("S", "shared", Shared),
     ("C", "copied", Copied), ("T", "stored", Stored), ("E", "evicted", Evicted),
     ("Z", "cleared", Cleared), ("H", "hit", LookedUp), ("D", "detached", Detached),
-    ("X", "dropped", Dropped),
+    ("X", "dropped", Dropped), ("Y", "retained", Retained),
 )
 
 _PLURAL = {"key": "keys", "request_id": "request_ids", "position": "positions",
            "block_id": "block_ids", "src_block_id": "src_block_ids",
            "dst_block_id": "dst_block_ids", "block_hash": "hashes", "parent_hash": "parent_hashes",
-           "token_ids": "token_ids", "tokens": "tokens", "query_tokens": "query_tokens"}
+           "token_ids": "token_ids", "tokens": "tokens", "query_tokens": "query_tokens",
+           "priority": "priorities"}
 
 
 def _columns(prefix: str, record: type[Any]) -> tuple[str, ...]:

@@ -19,7 +19,8 @@ Two kinds, chosen when the state is made:
   block nobody holds re-enters the queue at the front when it caches nothing
   (reused first), else at the back (evicted last: least recently freed
   first); it keeps its key while it waits and is *evicted* only when handed
-  out again.  A hit on a free cached block takes it out of the queue.
+  out again.  A hit on a free cached block takes it out of the queue.  A
+  free with a retention priority queues its cached blocks behind lower ones.
 
 In a pool shared by several groups the same block hash of two groups names
 different KV, so a key is the digest followed by one byte naming the group
@@ -145,7 +146,7 @@ class PoolState(NamedTuple):
 
     def identity(self) -> tuple[Any, ...]:
         """What equality compares: sizes, the queue's order, references and cached keys."""
-        return (self.name, self.members, self.num_blocks, self.free_block_ids(),
+        return (self.name, self.members, self.num_blocks, self.queue.layout(),
                 None if self.refs is None else tuple(self.refs),
                 None if self.hash_of is None else tuple(self.hash_of),
                 dict(self.detached.items()))
@@ -221,13 +222,16 @@ class PoolCopy:
                     self._evict_run(cached)
         return out
 
-    def free(self, ids: Sequence[int], key: str) -> None:
-        """Return blocks nobody holds to the queue (see the module docstring); records F rows."""
+    def free(self, ids: Sequence[int], key: str, priority: int = 0) -> None:
+        """Return blocks nobody holds to the queue; cached ones wait at ``priority`` (Y, F rows)."""
         if not ids:
             return
         if not self.writable:
             self.writing()
-        queue = self.queue
+        queue, sink = self.queue, self.sink
+        if priority and self.caching and sink is not None:
+            sink.rows.append((key, priority))
+            sink.codes.append("Y")
         if not self.linked:
             queue.push_back(ids)
         elif self.hash_of is None or not self.num_cached:
@@ -236,14 +240,13 @@ class PoolCopy:
             hash_of = self.hash_of
             front = [b for b in ids if hash_of[b] is None]
             if len(front) < len(ids):
-                queue.push_back([b for b in ids if hash_of[b] is not None])
+                queue.push_back([b for b in ids if hash_of[b] is not None], priority, hash_of)
             queue.push_front(front)
-        sink = self.sink
         if sink is not None:  # in release order: replay frees the whole run at once
             sink.rows.extend([(key, b) for b in ids])
             sink.codes.append("F" * len(ids))
 
-    def release(self, ids: Sequence[int], key: str) -> None:
+    def release(self, ids: Sequence[int], key: str, priority: int = 0) -> None:
         """Drop one holder of each block; free, in order, those that reach none."""
         if not self.linked:
             self.free(ids, key)
@@ -255,7 +258,7 @@ class PoolCopy:
         for b, r in zip(ids, left, strict=True):
             refs[b] = r
         self.free([b for b, r in zip(ids, left, strict=True) if not r] if any(left) else ids,
-                  key)
+                  key, priority)
 
     def share(self, entries: Sequence[int]) -> None:
         """Add a holder to each non-null entry's block; a free one (cached) leaves the queue."""
@@ -303,10 +306,6 @@ class PoolCopy:
             return found
         first: int = found[0]
         return first
-
-    def store(self, b: int, key: bytes) -> None:
-        """Cache block ``b`` under ``key`` (it holds nothing cached; no delta row here)."""
-        self.store_run((b,), (key,))
 
     def store_run(self, blocks: Sequence[int], keys: Sequence[bytes]) -> None:
         """Cache each block under its key (none of them holds anything cached)."""
@@ -370,12 +369,11 @@ class PoolCopy:
         """Forget every cached key (held blocks stay held); how many blocks were cached."""
         if not self.writable:
             self.writing()
-        hash_of = self.hash_of
-        for b in range(len(hash_of)):
-            if hash_of[b] is not None:
-                hash_of[b] = None
+        self.hash_of = pvector([None] * self.num_blocks).evolver()
         n, self.num_cached = self.num_cached, 0
         self.by_key = EMPTY_MAP.mutate()
+        if self.queue.levels:  # nothing waits at a priority now: vLLM's queue, in its order
+            self.queue = Linked.of(self.queue.ids(), self.num_blocks).copy()
         return n
 
     # -- freezing ---------------------------------------------------------------------

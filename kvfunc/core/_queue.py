@@ -19,6 +19,19 @@ edits and freezes once:
 A run of blocks freed by one call enters in one push (``push_front`` keeps
 the run's order at the front, as vLLM's ``prepend_n`` does); a delta records
 such a run as consecutive Freed rows and replay pushes it as one run.
+
+Retention priority (linked queues only): a run pushed at the back with a
+priority other than 0 waits behind every block of a lower priority.  The
+queue then holds one *marker* node per priority in use, 0 included (ids
+after the sentinel), each at the start of its priority's segment; blocks
+that cache nothing, pushed at the front, come before every marker::
+
+    sentinel -> [uncached] <-1> [priority -1] <0> [priority 0] <5> [priority 5] -> sentinel
+
+so the front is still the block handed out next: one that caches nothing,
+else the least recently freed of the lowest priority.  The first marker (0)
+goes before the first queued block that caches something.  A queue that
+never saw a priority has no markers and is exactly vLLM's.
 """
 
 from __future__ import annotations
@@ -60,6 +73,10 @@ class Ring:
         for i in range(self.count):
             p = (self.head + i) % cap
             yield chunks[p // CHUNK][p % CHUNK]
+
+    def layout(self) -> tuple[int, ...]:
+        """The ids in hand-out order, as a tuple (for equality)."""
+        return tuple(self.ids())
 
     def copy(self) -> RingCopy:
         """A working copy (chunks are copied into lists on first write)."""
@@ -138,12 +155,22 @@ class RingCopy:
 
 
 class Linked:
-    """vLLM's free queue as a value: ``prev`` / ``next`` links, sentinel ``len(next) - 1``."""
+    """vLLM's free queue as a value: ``prev`` / ``next`` links over the blocks and a sentinel.
 
-    __slots__ = ("count", "next", "prev")
+    ``levels`` pairs each retention priority in use with its marker node, by
+    priority (see the module docstring); the sentinel is ``len(next) - 1 - len(levels)``.
+    """
 
-    def __init__(self, prev: PVector[int], nxt: PVector[int], count: int) -> None:
-        self.prev, self.next, self.count = prev, nxt, count
+    __slots__ = ("count", "levels", "next", "prev")
+
+    def __init__(self, prev: PVector[int], nxt: PVector[int], count: int,
+                 levels: tuple[tuple[int, int], ...] = ()) -> None:
+        self.prev, self.next, self.count, self.levels = prev, nxt, count, levels
+
+    @property
+    def sentinel(self) -> int:
+        """The sentinel node (also the number of blocks)."""
+        return len(self.next) - 1 - len(self.levels)
 
     @classmethod
     def of(cls, ids: Sequence[int], num_blocks: int) -> Linked:
@@ -162,13 +189,24 @@ class Linked:
         return cls(pvector(prev), pvector(nxt), len(ids))
 
     def ids(self) -> Iterator[int]:
-        """The ids front to back (O(count))."""
-        nxt = self.next
-        s = len(nxt) - 1
+        """The ids front to back (O(count); markers skipped)."""
+        nxt, s = self.next, self.sentinel
         b = nxt[s]
         while b != s:
-            yield b
+            if b < s:
+                yield b
             b = nxt[b]
+
+    def layout(self) -> tuple[Any, ...]:
+        """The whole order, markers shown as ``("priority", p)`` (for equality and checks).
+
+        >>> q = Linked.of([1, 2], 3).copy()
+        >>> q.push_back([0], 4, cached=[None, None, b"k"])  # block 2 caches something
+        >>> q.frozen().layout()
+        (1, ('priority', 0), 2, ('priority', 4), 0)
+        """
+        s, marks = self.sentinel, {m: p for p, m in self.levels}
+        return tuple(b if b < s else ("priority", marks[b]) for b in _walk(self.next, s))
 
     def copy(self) -> LinkedCopy:
         """A working copy (the link vectors turn into evolvers on first write)."""
@@ -178,14 +216,15 @@ class Linked:
 class LinkedCopy:
     """The working copy of a :class:`Linked` queue."""
 
-    __slots__ = ("count", "next", "prev", "sentinel", "src", "writable")
+    __slots__ = ("count", "levels", "next", "prev", "sentinel", "src", "writable")
 
     def __init__(self, queue: Linked) -> None:
         self.src = queue
         self.prev: Any = queue.prev
         self.next: Any = queue.next
         self.count = queue.count
-        self.sentinel = len(queue.next) - 1
+        self.levels = queue.levels
+        self.sentinel = queue.sentinel
         self.writable = False
 
     def _write(self) -> None:
@@ -196,8 +235,15 @@ class LinkedCopy:
         if not self.writable:
             self._write()
         nxt, s = self.next, self.sentinel
-        out = []
+        out: list[int] = []
         b = nxt[s]
+        if self.levels:  # markers stay where they are
+            while len(out) < n:
+                if b < s:
+                    out.append(b)
+                    self.remove(b)
+                b = nxt[b]
+            return out
         for _ in range(n):
             out.append(b)
             b = nxt[b]
@@ -211,10 +257,41 @@ class LinkedCopy:
         if ids:
             self._link(self.sentinel, ids)
 
-    def push_back(self, ids: Sequence[int]) -> None:
-        """Put ``ids`` at the back, in order (vLLM's ``append_n``)."""
-        if ids:
+    def push_back(self, ids: Sequence[int], priority: int = 0, cached: Any = None) -> None:
+        """Put ``ids`` at the back of ``priority``'s segment, in order (vLLM's ``append_n``).
+
+        ``cached`` (block -> key or None) places the first markers after the
+        blocks at the front that cache nothing (see the module docstring).
+        """
+        if not ids:
+            return
+        if not priority and not self.levels:
             self._link(self.prev[self.sentinel], ids)
+            return
+        if not self.writable:
+            self._write()
+        levels = self.levels or self._first_level(cached)
+        following = next((m for p, m in levels if p > priority), self.sentinel)
+        if all(p != priority for p, _ in levels):
+            self._add_marker(priority, following)
+        self._link(self.prev[following], ids)
+
+    def _first_level(self, cached: Any) -> tuple[tuple[int, int], ...]:
+        """Priority 0's marker, before the first queued block that caches something."""
+        nxt, s, b = self.next, self.sentinel, self.next[self.sentinel]
+        while b != s and cached is not None and cached[b] is None:
+            b = nxt[b]
+        self._add_marker(0, b)
+        return self.levels
+
+    def _add_marker(self, priority: int, before: int) -> None:
+        """Link a marker for ``priority`` right before node ``before``."""
+        prev, nxt = self.prev, self.next
+        m, after = len(nxt), prev[before]
+        prev.append(after)
+        nxt.append(before)
+        nxt[after] = prev[before] = m
+        self.levels = tuple(sorted((*self.levels, (priority, m))))
 
     def _link(self, last: int, ids: Sequence[int]) -> None:
         """Link ``ids``, in order, between block ``last`` (or the sentinel) and its next."""
@@ -239,16 +316,22 @@ class LinkedCopy:
 
     def ids(self) -> list[int]:
         """The ids front to back (O(count); for checks)."""
-        nxt, s = self.next, self.sentinel
-        out, b = [], nxt[s]
-        while b != s:
-            out.append(b)
-            b = nxt[b]
-        return out
+        s = self.sentinel
+        return [b for b in _walk(self.next, s) if b < s]
 
     def frozen(self) -> Linked:
         """The queue as a value."""
         if self.writable:
-            self.src = Linked(self.prev.persistent(), self.next.persistent(), self.count)
+            self.src = Linked(self.prev.persistent(), self.next.persistent(), self.count,
+                              self.levels)
             self.prev, self.next, self.writable = self.src.prev, self.src.next, False
         return self.src
+
+
+def _walk(nxt: Any, s: int) -> list[int]:
+    """Every node after the sentinel ``s`` up to it again, markers included."""
+    out, b = [], nxt[s]
+    while b != s:
+        out.append(b)
+        b = nxt[b]
+    return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kvfunc.core._checks import excerpt, is_request_id
+from kvfunc.core._checks import MAX_PRIORITY, excerpt, is_request_id
 from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, BlocksChanged
 from kvfunc.core._errors import InvalidTypeError, ReplayMismatchError, UnknownRequestError
 from kvfunc.core._group import GroupCopy
@@ -36,6 +36,7 @@ from kvfunc.core._ops import (
     Nulled,
     Registered,
     Released,
+    Retained,
     Shared,
     Stored,
 )
@@ -92,20 +93,26 @@ def apply_delta_into(tr: Transient, delta: BlocksChanged, index: int = 0) -> Non
     pending: dict[str, list[int]] = {}
     seqs: dict[Any, int] = {}  # a request registered by this delta: its seq
     run: list[Any] = []  # consecutive Freed rows: one free call of the transition
+    level: list[Any] = []  # a Retained row waiting for its Freed run
     op: Any = None
     i = -1
     try:
         for op in delta.operations():
             i += 1
             if run and (type(op) is not Freed or op.key != run[0].key):
-                _freed_run(tr, run, pending)
+                _freed_run(tr, run, pending, level)
             if type(op) is Freed:
                 run.append(op)
+                continue
+            if level or type(op) is Retained:
+                _retained(tr, op, level)
                 continue
             _apply(tr, op, pending, seqs)
         if run:
             op = run[-1]
-            _freed_run(tr, run, pending)
+            _freed_run(tr, run, pending, level)
+        if level:
+            _fail("a retention priority with no Freed run after it")
     except ReplayMismatchError as exc:  # a malformed delta: its own message
         raise ReplayMismatchError(f"delta {index}: {exc}") from None
     except (_Mismatch, UnknownRequestError) as exc:
@@ -117,8 +124,7 @@ def apply_delta_into(tr: Transient, delta: BlocksChanged, index: int = 0) -> Non
         raise ReplayMismatchError(msg)
 
 
-def _apply(tr: Transient, op: Any, pending: dict[str, list[int]], seqs: dict[Any, int]
-           ) -> None:
+def _apply(tr: Transient, op: Any, pending: dict[str, Any], seqs: dict[Any, int]) -> None:
     if type(op) is LookedUp:
         _looked_up(tr, op)
         return
@@ -222,11 +228,25 @@ def _nulled(g: GroupCopy, op: Any, pending: list[int]) -> None:
     _drop_holder(g, row.ids[row.nulls], pending)
 
 
-def _freed_run(tr: Transient, run: list[Any], pending: dict[str, list[int]]) -> None:
+def _retained(tr: Transient, op: Any, level: list[Any]) -> None:
+    """A retention priority (of a caching group) for the Freed run right after it."""
+    if level or type(op) is not Retained:
+        _fail("a retention priority with no Freed run after it")
+    if type(op.key) is not str or not tr.group(op.key).pool.caching:
+        _fail(f"{excerpt(op.key)} is not a group with a prefix cache")
+    if type(op.priority) is not int or not op.priority or abs(op.priority) > MAX_PRIORITY:
+        _fail(f"priority {excerpt(op.priority)} is not a retention priority other than 0")
+    level.append(op)
+
+
+def _freed_run(tr: Transient, run: list[Any], pending: dict[str, Any], level: list[Any]) -> None:
     """A run of Freed rows: the blocks one free call of the transition returned, at once."""
     key = run[0].key
     if type(key) is not str:
         _fail(f"manager key {excerpt(key)} is not a str")
+    lead = level.pop() if level else None
+    if lead is not None and lead.key != key:
+        _fail(f"a retention priority of {excerpt(lead.key)} before a Freed run of {key!r}")
     g = tr.group(key)
     left = pending.setdefault(g.pool.members[0], [])
     ids = []
@@ -237,7 +257,7 @@ def _freed_run(tr: Transient, run: list[Any], pending: dict[str, list[int]]) -> 
         left.remove(b)
         ids.append(b)
     run.clear()
-    g.pool.free(ids, g.key)
+    g.pool.free(ids, g.key, 0 if lead is None else lead.priority)
 
 
 def _appended(g: GroupCopy, op: Any, pending: list[int]) -> None:
@@ -304,7 +324,7 @@ def _stored(g: GroupCopy, op: Any, pending: list[int]) -> None:
     if op.position == COPY_SAVED:
         if pool.refs[b] != 1:
             _fail(f"block {b} was not just taken to save a state")
-        pool.store(b, key)
+        pool.store_run((b,), (key,))
         _drop_holder(g, b, pending)
         return
     row = _row(g, op.request_id)
@@ -315,7 +335,7 @@ def _stored(g: GroupCopy, op: Any, pending: list[int]) -> None:
     if any(pool.hash_of[row.ids[q]] is None
            for q in range(max(row.stored, row.nulls), pos)):
         _fail("a block before it is not cached")
-    pool.store(b, key)
+    pool.store_run((b,), (key,))
     g.put(op.request_id, remade(row, row.nulls, pos + 1, max(row.shared, pos + 1)))
 
 

@@ -52,12 +52,14 @@ store drops the lower copy; a failed load makes the device forget the block
 request with loads in flight must not compute: :func:`allocate_tiered`
 refuses an entry for it with :class:`~kvfunc.InvalidArgumentError`.
 
-**Retention priority**: ``priorities={request_id: p}`` gives a request's
-cached blocks priority ``p`` (default 0) in the host and remote tiers, which
-evict lower priorities first.  A block keeps the priority of the request
-that cached it on the device (the ``Stored`` row's request), down every tier;
-a later hit does not change it.  The device pool's own eviction order is
-unchanged.
+**Retention priority**: ``priorities={request_id: p}`` (``|p| <=
+MAX_PRIORITY``, default 0) gives a request's cached blocks priority ``p`` in
+every tier, and each tier evicts lower priorities first.  In the host and
+remote tiers a block keeps the priority of the request that cached it on
+the device (the ``Stored`` row's request); a later hit does not change it.
+On the device, :func:`free_tiered` frees a request's blocks at its
+priority (``free_request(priority=)``): a cached block waits in the device
+pool's free queue at the priority of the request that freed it last.
 """
 
 from __future__ import annotations
@@ -67,7 +69,13 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from kvfunc.core._checks import check_count, check_request_id, excerpt, is_request_id
+from kvfunc.core._checks import (
+    check_count,
+    check_priority,
+    check_request_id,
+    excerpt,
+    is_request_id,
+)
 from kvfunc.core._delta import BlocksChanged
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
 from kvfunc.core._fold import SlotRequest
@@ -197,9 +205,7 @@ def _check_priorities(priorities: Any) -> dict[Any, int]:
     out = {}
     for rid, p in priorities.items():
         check_request_id(rid)
-        if type(p) is not int:
-            raise InvalidTypeError(f"a priority must be an int, got {excerpt(p)}")
-        out[rid] = p
+        out[rid] = check_priority(p)
     return out
 
 
@@ -352,7 +358,8 @@ def free_tiered(state: TieredState, request_id: RequestId, *,
     if request_id in state.loads:
         msg = f"request {excerpt(request_id)} has loads in flight: settle them first"
         raise InvalidArgumentError(msg)
-    device, delta = free_request(state.device, request_id, block_hashes=block_hashes)
+    device, delta = free_request(state.device, request_id, block_hashes=block_hashes,
+                                 priority=state.priorities.get(request_id, 0))
     work = TierWork(state)
     work.device = device
     _follow_device(work, delta, work.note_device(delta))

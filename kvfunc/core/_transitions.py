@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvfunc.core._checks import check_count, check_manager_keys, check_request_id
+from kvfunc.core._checks import (
+    check_count,
+    check_manager_keys,
+    check_priority,
+    check_request_id,
+)
 from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
 from kvfunc.core._errors import InvalidTypeError
 from kvfunc.core._fold import check_hashes, check_lookahead, fold, quiet
@@ -149,13 +154,13 @@ def allocate_batch(state: KVState, requests: Iterable[Any], *, lookahead_tokens:
 
 
 def free_into(tr: Transient, request_id: RequestId, keys: frozenset[str] | None,
-              hashes: Any = None) -> None:
+              hashes: Any = None, priority: int = 0) -> None:
     """Release ``request_id`` in the selected groups of ``tr``; unknown ids are a no-op.
 
     In the seed's free order the blocks return to the tail in logical order;
     in vLLM's (prefix caching or ``free_order="vllm"``), last block first,
     so that a prefix's tail is evicted before its head.  With ``hashes`` (checked by the caller) the
-    full blocks they cover are cached first.
+    full blocks they cover are cached first; cached blocks wait at retention ``priority``.
     """
     for i, view in enumerate(tr.views):
         if keys is not None and view.key not in keys:
@@ -169,12 +174,13 @@ def free_into(tr: Transient, request_id: RequestId, keys: frozenset[str] | None,
             upto = min(row.length, hashes.num_tokens // bs)
             if upto > row.stored and upto > row.nulls:
                 g.put(request_id, g.store(request_id, row, upto, hashes))
-        g.release(request_id)
+        g.release(request_id, priority)
 
 
 def free_request(state: KVState, request_id: RequestId, *,
                  manager_keys: Collection[str] | None = None,
-                 block_hashes: BlockHashes | None = None) -> tuple[KVState, BlocksChanged]:
+                 block_hashes: BlockHashes | None = None,
+                 priority: int = 0) -> tuple[KVState, BlocksChanged]:
     """Return every block of a request to its pool.
 
     In the seed's free order (the default without prefix caching) the blocks
@@ -191,6 +197,13 @@ def free_request(state: KVState, request_id: RequestId, *,
     cached like its prompt's.  Pass hashes of computed tokens only (those
     whose KV is written): every full block they cover is cached.
 
+    ``priority`` is the retention priority its cached blocks wait at (from
+    ``-MAX_PRIORITY`` to ``MAX_PRIORITY``; vLLM's order is priority 0): the
+    pool hands out, and so evicts, the cached blocks of the lowest priority
+    first, least recently freed first within one priority.  A block shared
+    by several requests waits at the priority of the one that frees it last.
+    Blocks that cache nothing are reused first whatever their priority.
+
     Freeing an unknown or already freed request changes nothing.
 
     >>> from kvfunc.core import FullAttention, KVState
@@ -202,11 +215,12 @@ def free_request(state: KVState, request_id: RequestId, *,
     check_state(state)
     check_request_id(request_id)
     keys = check_manager_keys(manager_keys)
+    check_priority(priority)
     sink = DeltaBuilder()
     tr = Transient.open(state, sink)
     if block_hashes is not None:
         check_hashes(tr, block_hashes, False)
-    free_into(tr, request_id, keys, block_hashes)
+    free_into(tr, request_id, keys, block_hashes, priority)
     return tr.settle(), sink.build()
 
 
