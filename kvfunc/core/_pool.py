@@ -107,8 +107,7 @@ class PoolState(NamedTuple):
     @property
     def num_free(self) -> int:
         """Free blocks (cached ones waiting in the queue included)."""
-        count: int = self.queue.count
-        return count
+        return self.queue.count  # type: ignore[no-any-return]
 
     @property
     def linked(self) -> bool:
@@ -192,8 +191,7 @@ class PoolCopy:
     @property
     def count(self) -> int:
         """Free blocks now."""
-        count: int = self.queue.count
-        return count
+        return self.queue.count  # type: ignore[no-any-return]
 
     def writing(self) -> None:
         """Turn the per-block vectors into evolvers (once per transition)."""
@@ -347,13 +345,17 @@ class PoolCopy:
     def evict(self, b: int) -> bool:
         """Forget what block ``b`` caches, held or free (vLLM's ``evict_blocks``); True if it did.
 
-        A free block keeps its place in the queue; a held block stays held.
+        A free block keeps its place in vLLM's queue (one with priorities puts
+        it in front: it caches nothing now); a held block stays held.
         """
         if not self.caching or self.hash_of[b] is None:
             return False
         if not self.writable:
             self.writing()
         self._evict_run([b])
+        if not self.refs[b] and self.queue.levels:
+            self.queue.remove(b)
+            self.queue.push_front((b,))
         return True
 
     def drop(self, ids: Sequence[int], key: str) -> None:
