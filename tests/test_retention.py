@@ -206,16 +206,3 @@ def test_the_right_retention_row_replays() -> None:
     s2, d = kf.free_request(s, "a", priority=2)
     assert d == retained("LYFF", ("f",), (2,))
     assert kf.replay(s0, [*log, d]) == s2
-
-
-def test_a_free_block_evicted_on_request_goes_first_once_priorities_are_in_use() -> None:
-    s0, s, log = three_freed((5, -2, 0))
-    s2, d = kf.evict_blocks(s, [1])  # a's first block, cached at priority 5
-    log.append(d)
-    assert d.evicted_block_ids == (1,)
-    assert s2.pools[0].free_block_ids() == (1, 7, 8, 4, 3, 6, 5, 2)
-    kf.check_invariants(s2)
-    assert kf.replay(s0, log) == s2
-    _, plain, _ = three_freed((0, 0, 0))  # vLLM's queue: the block keeps its place
-    assert kf.evict_blocks(plain, [1])[0].pools[0].free_block_ids() == (
-        plain.pools[0].free_block_ids())

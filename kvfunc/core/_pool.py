@@ -107,7 +107,8 @@ class PoolState(NamedTuple):
     @property
     def num_free(self) -> int:
         """Free blocks (cached ones waiting in the queue included)."""
-        return self.queue.count  # type: ignore[no-any-return]
+        count: int = self.queue.count
+        return count
 
     @property
     def linked(self) -> bool:
@@ -191,7 +192,8 @@ class PoolCopy:
     @property
     def count(self) -> int:
         """Free blocks now."""
-        return self.queue.count  # type: ignore[no-any-return]
+        count: int = self.queue.count
+        return count
 
     def writing(self) -> None:
         """Turn the per-block vectors into evolvers (once per transition)."""
@@ -345,17 +347,13 @@ class PoolCopy:
     def evict(self, b: int) -> bool:
         """Forget what block ``b`` caches, held or free (vLLM's ``evict_blocks``); True if it did.
 
-        A free block keeps its place in vLLM's queue (one with priorities puts
-        it in front: it caches nothing now); a held block stays held.
+        A free block keeps its place in the queue; a held block stays held.
         """
         if not self.caching or self.hash_of[b] is None:
             return False
         if not self.writable:
             self.writing()
         self._evict_run([b])
-        if not self.refs[b] and self.queue.levels:
-            self.queue.remove(b)
-            self.queue.push_front((b,))
         return True
 
     def drop(self, ids: Sequence[int], key: str) -> None:
