@@ -206,3 +206,13 @@ def test_the_right_retention_row_replays() -> None:
     s2, d = kf.free_request(s, "a", priority=2)
     assert d == retained("LYFF", ("f",), (2,))
     assert kf.replay(s0, [*log, d]) == s2
+
+
+def test_a_free_block_evicted_on_request_keeps_its_place_as_in_vllm() -> None:
+    s0, s, log = three_freed((5, -2, 0))
+    s2, d = kf.evict_blocks(s, [1])  # a's first block, cached at priority 5
+    log.append(d)
+    assert d.evicted_block_ids == (1,)
+    assert s2.pools[0].queue.layout() == s.pools[0].queue.layout()
+    kf.check_invariants(s2)
+    assert kf.replay(s0, log) == s2
