@@ -204,7 +204,7 @@ def test_stats_of_a_delta_with_junk_hit_columns_is_a_typed_error() -> None:
 # -- deltas and their replay -------------------------------------------------------------------
 
 def caching_log(layout: str) -> tuple[kf.KVState, list[kf.BlocksChanged], kf.KVState]:
-    """A log of every kind of row (R L N F A S T E Z H) on a small caching state."""
+    """A log of every kind of row (R L N F A S T E Z H Y) on a small caching state."""
     groups = {"full": kf.FullAttention(num_blocks=12, block_size=4),
               "swa": kf.SlidingWindow(num_blocks=12, block_size=4, sliding_window=8)}
     s0 = kf.KVState.create(groups, 64, enable_prefix_caching=True, layout=layout)
@@ -218,7 +218,7 @@ def caching_log(layout: str) -> tuple[kf.KVState, list[kf.BlocksChanged], kf.KVS
 
     a, c = kf.BlockHashes.of(range(13), 4), kf.BlockHashes.of(range(100, 120), 4)
     keep(kf.allocate_slots(s, "a", 0, 13, block_hashes=a))
-    keep(kf.free_request(s, "a"))
+    keep(kf.free_request(s, "a", priority=3))
     hit = kf.lookup_prefix(s, a, max_tokens=12)
     keep(kf.allocate_slots(s, "b", hit.num_tokens, 13 - hit.num_tokens, block_hashes=a,
                            prefix_hit=hit))
@@ -226,8 +226,8 @@ def caching_log(layout: str) -> tuple[kf.KVState, list[kf.BlocksChanged], kf.KVS
     keep(kf.recycle_skipped_blocks(s, "b", 21))
     keep(kf.allocate_slots(s, "c", 0, 20, block_hashes=c, prefix_hit=kf.lookup_prefix(s, c)))
     keep(kf.fork_request(s, "b", "d"))
-    for rid in "bcd":
-        keep(kf.free_request(s, rid))
+    for rid, priority in zip("bcd", (-1, 0, 2), strict=True):
+        keep(kf.free_request(s, rid, priority=priority))
     keep(kf.reset_prefix_cache(s))
     return s0, [d for d in log if not d.is_empty], s
 
@@ -238,7 +238,7 @@ LOGS = {layout: caching_log(layout) for layout in ("per-type", "shared")}
 def test_the_attack_log_holds_every_kind_of_row() -> None:
     """The fuzz below mutates a log that has rows of every family (so each reader is hit)."""
     for s0, log, final in LOGS.values():
-        assert set("RLNFASTZH") <= set("".join(d.order for d in log))
+        assert set("RLNFASTZHY") <= set("".join(d.order for d in log))
         assert kf.replay(s0, log) == final
 
 
@@ -286,7 +286,7 @@ def test_a_log_with_one_bad_cell_replays_checked_or_is_refused(layout: str, data
     assert kf.replay(s0, log) == final  # the state and the log were not touched
 
 
-@given(order=st.text(alphabet="RLNFASCTEZHDXQ ", max_size=12))
+@given(order=st.text(alphabet="RLNFASCTEZHDXYQ ", max_size=12))
 def test_a_junk_order_is_refused_or_fits(order: str) -> None:
     """Any ``order`` string over a real delta's columns: refused as malformed, or it replays."""
     s0, log, _ = LOGS["per-type"]
