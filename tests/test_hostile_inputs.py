@@ -329,3 +329,14 @@ def test_the_issues_compat_cases_are_typed_errors(call: Callable[[], Any]) -> No
     with pytest.raises(kf.KVFuncError) as info:
         call()
     assert short(str(info.value))
+
+
+def test_hashing_many_token_counts_keeps_a_bounded_cache_of_packers() -> None:
+    """Validating token lists of thousands of distinct lengths does not grow memory without end."""
+    from kvfunc.core import _digests
+
+    for n in range(1, 2100):  # n blocks of one token: the tokens are packed n at a time
+        kf.BlockHashes.of_digests([b"d"] * n, list(range(n)), 1)
+    assert 1000 <= len(_digests._PACKERS) <= 1024
+    with pytest.raises(kf.InvalidTypeError):  # a bool past the cache's bound is still refused
+        kf.BlockHashes.of_digests([b"d"] * 5000, [True, *range(4999)], 1)
