@@ -143,3 +143,22 @@ def test_a_tampered_log_is_refused_or_replays(field: str, index: int, bad: objec
         assert len(str(exc)) < SHORT
     else:
         kf.check_tiered_invariants(final)
+
+
+def test_a_tier_log_with_a_priority_out_of_range_is_refused() -> None:
+    """A forged priority row or move beyond ``MAX_PRIORITY`` is refused by replay."""
+    from kvfunc.core import FullAttention, KVState
+    from kvfunc.core._tier_checks import replay_tiered
+
+    dev = KVState.create({"f": FullAttention(num_blocks=9, block_size=4)}, 64,
+                         enable_prefix_caching=True)
+    t0 = kf.TieredState.create(dev, host_blocks=4)
+    r = kf.allocate_tiered(t0, [("a", 0, 8)],
+                           block_hashes={"a": kf.BlockHashes.of(list(range(8)), 4)},
+                           priorities={"a": 7})
+    assert replay_tiered(t0, [r.delta]) == r.state
+    for bad in (kf.MAX_PRIORITY + 1, -(10 ** 6), True):
+        forged = kf.TierDelta(device=r.delta.device, order="P", prioritized_request_ids=("a",),
+                              prioritized_priorities=(bad,))
+        with pytest.raises(kf.ReplayMismatchError, match="priority row"):
+            replay_tiered(t0, [forged])

@@ -96,9 +96,7 @@ def _pack(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian int64 bytes; anything else (a bool too) is a typed error."""
     n = len(token_ids)
     try:  # struct packs a list 2-3x faster than array("q") converts it
-        packer = _PACKERS.get(n)
-        data = (packer or (_packer(n) if len(_PACKERS) < 1024 else struct.Struct(f"<{n}q").pack)
-                )(*token_ids)
+        data = (_PACKERS.get(n) or _packer(n))(*token_ids)
     except struct.error:
         bad = next((t for t in token_ids if not _is_int64(t)), None)
         msg = f"token ids must be ints in the int64 range, got {excerpt(bad)}"
@@ -132,8 +130,10 @@ _PACKERS: dict[int, Callable[..., bytes]] = {}
 
 
 def _packer(block_size: int) -> Callable[..., bytes]:
-    """``struct.pack`` for one block of ``block_size`` tokens (compiled once per size)."""
-    packer = _PACKERS[block_size] = struct.Struct(f"<{block_size}q").pack
+    """``struct.pack`` for ``block_size`` tokens (kept for at most 1,024 sizes)."""
+    packer = struct.Struct(f"<{block_size}q").pack
+    if len(_PACKERS) < 1024:
+        _PACKERS[block_size] = packer
     return packer
 
 

@@ -202,7 +202,9 @@ def free_request(state: KVState, request_id: RequestId, *,
     pool hands out, and so evicts, the cached blocks of the lowest priority
     first, least recently freed first within one priority.  A block shared
     by several requests waits at the priority of the one that frees it last.
-    Blocks that cache nothing are reused first whatever their priority.
+    Blocks that cache nothing when freed go to the front whatever the
+    priority; other frees (a window's slid-out blocks, deferred frees) wait
+    at priority 0, and a free block evicted on request keeps its place.
 
     Freeing an unknown or already freed request changes nothing.
 

@@ -92,7 +92,7 @@ def _queue_cells(queue: Any) -> tuple[Any, ...]:
     """Every cell of a free queue's value, so that a mutation of any of them shows."""
     if hasattr(queue, "chunks"):
         return tuple(queue.chunks), queue.head, queue.count
-    return tuple(queue.prev), tuple(queue.next), queue.count
+    return tuple(queue.prev), tuple(queue.next), queue.count, queue.levels
 
 
 def token_budget(state: KVState, max_tokens: int = 96) -> int:
