@@ -216,3 +216,15 @@ def test_a_free_block_evicted_on_request_keeps_its_place_as_in_vllm() -> None:
     assert s2.pools[0].queue.layout() == s.pools[0].queue.layout()
     kf.check_invariants(s2)
     assert kf.replay(s0, log) == s2
+
+
+def test_a_retention_row_before_a_run_of_a_huge_key_gets_a_short_message() -> None:
+    log: list[kf.BlocksChanged] = []
+    s0 = caching()
+    admit(s0, "a", 0, log)
+    bad = kf.BlocksChanged(order="LYFF", released_keys=("f",), released_request_ids=("a",),
+                           freed_keys=("x" * 100_000,) * 2, freed_block_ids=(2, 1),
+                           retained_keys=("f",), retained_priorities=(3,))
+    with pytest.raises(kf.ReplayMismatchError) as info:
+        kf.replay(s0, [*log, bad])
+    assert len(str(info.value)) < 400

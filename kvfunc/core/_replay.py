@@ -246,7 +246,7 @@ def _freed_run(tr: Transient, run: list[Any], pending: dict[str, Any], level: li
         _fail(f"manager key {excerpt(key)} is not a str")
     lead = level.pop() if level else None
     if lead is not None and lead.key != key:
-        _fail(f"a retention priority of {excerpt(lead.key)} before a Freed run of {key!r}")
+        _fail(f"a retention priority of {excerpt(lead.key)} before a Freed run of {excerpt(key)}")
     g = tr.group(key)
     left = pending.setdefault(g.pool.members[0], [])
     ids = []
