@@ -25,10 +25,18 @@ BLOCKS = dd.CacheDesc(4, (16, 2, 8), dd.DataType.DT_BF16)
 MOONCAKE = {"llm.TransferBackend": "mooncake"}
 
 
+#: How long either side of these tests waits for the other (ms).  A process that runs
+#: Mooncake's transfer engine here now and then does not run Python for a second or more
+#: (stalls of 0.3-1.8 s were measured, several per run of this file), so the 3 s of other
+#: test clusters gave a flaky test, not a bug; waits stay bounded.
+WAIT_MS = 10000
+
+
 @pytest.fixture(scope="module")
 def prompt() -> Iterator[PeerProcess]:
     """A prompt cluster over Mooncake, listening on loopback."""
-    peer = PeerProcess("PROMPT", 0, options(**MOONCAKE, **{"llm.listenIpInfo": "127.0.0.1:0"}))
+    peer = PeerProcess("PROMPT", 0, options(**MOONCAKE, **{"llm.listenIpInfo": "127.0.0.1:0",
+                                                          "llm.SyncKvCacheWaitTime": WAIT_MS}))
     try:
         yield peer
     finally:
@@ -37,16 +45,13 @@ def prompt() -> Iterator[PeerProcess]:
 
 @pytest.fixture
 def decoder(prompt: PeerProcess) -> Iterator[dd.LLMDataDist]:
-    """A decoder over Mooncake in this process, linked to the prompt cluster.
-
-    Its pulls wait 10 s, not the 3 s of other test clusters: a Mooncake TCP
-    read now and then takes seconds to start on a loaded machine.
-    """
+    """A decoder over Mooncake in this process, linked to the prompt cluster (waits
+    ``WAIT_MS``)."""
     d = dd.LLMDataDist(dd.LLMRole.DECODER, 1,
-                       options(**MOONCAKE, **{"llm.SyncKvCacheWaitTime": 10000}))
+                       options(**MOONCAKE, **{"llm.SyncKvCacheWaitTime": WAIT_MS}))
     try:
         assert [LLMStatusCode.LLM_SUCCESS] == d.link_clusters(
-            [dd.ClusterInfo(0, *prompt.address)])[1]
+            [dd.ClusterInfo(0, *prompt.address)], timeout=WAIT_MS)[1]
         yield d
     finally:
         d.finalize()
@@ -225,7 +230,7 @@ def test_a_hostile_staged_sender_fails_the_pull_typed_and_leaks_nothing(
     with pytest.raises(LLMError) as info:
         cm.pull_blocks(dd.BlocksCacheKey(0, 0), dst, [0, 1], [3, 9])
     assert code == info.value.status_code, info.value
-    assert time.monotonic() - start < 1.5 + 1.0
+    assert time.monotonic() - start < 1.5 + 3.0  # the timeout, and a stall (see WAIT_MS)
     assert wait_for(lambda: 0 == sum(r.pins for r in cm.state.caches.values()))
     assert wait_for(lambda: staged(victim)[1])
     attacker.answer(None)
