@@ -16,8 +16,10 @@ Measured per lane, in the same run: the whole step, and the time inside the
 manager -- every method the scheduler calls on it (``allocate_slots``,
 ``get_computed_blocks``, ``free``, ``usage``...), its block pool's
 ``free_blocks`` and its coordinator's block arithmetic -- through a
-subclass that times each call.  The timing wrapper's own cost per call is
-measured on a no-op and subtracted.  After a warm-up that fills the 256
+subclass that times each call, in all and by call (``allocate_slots`` split
+into a running request's one next token and anything larger; the report
+prints the five largest, the JSON has every one).  The timing wrapper's own
+cost per call is measured on a no-op and subtracted.  After a warm-up that fills the 256
 slots, the timed steps run interleaved in segments of 16 (lane order
 rotating), the garbage collector off; each round builds both schedulers
 afresh; figures are medians over rounds, ratios medians of per-round
@@ -111,9 +113,10 @@ class Clock:
         self.calls = 0
         self.hits = 0
         self.depth = 0
+        self.by_call: dict[str, list[int]] = {}  # call -> [ns, calls]
 
-    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)``, timed when it is not inside another timed call."""
+    def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, timed under ``name`` when not inside another timed call."""
         if self.depth:
             return fn(*args, **kwargs)
         self.depth = 1
@@ -121,9 +124,15 @@ class Clock:
         try:
             return fn(*args, **kwargs)
         finally:
-            self.ns += perf_counter_ns() - t0
+            dt = perf_counter_ns() - t0
+            self.ns += dt
             self.calls += 1
             self.depth = 0
+            if name == "allocate_slots":  # a running request's next token, or anything larger
+                name += ", one token" if args[2:3] == (1,) and len(args) == 3 else ", more"
+            acc = self.by_call.setdefault(name, [0, 0])
+            acc[0] += dt
+            acc[1] += 1
 
 
 def timed_class(cls: type, clock: Clock) -> type:
@@ -133,7 +142,7 @@ def timed_class(cls: type, clock: Clock) -> type:
         fn = getattr(cls, name)
 
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return clock.call(fn, self, *args, **kwargs)
+            return clock.call(name, fn, self, *args, **kwargs)
 
         return timed
 
@@ -141,7 +150,7 @@ def timed_class(cls: type, clock: Clock) -> type:
     usage = cls.usage  # a property
 
     def timed_usage(self: Any) -> float:
-        value: float = clock.call(usage.fget, self)
+        value: float = clock.call("usage", usage.fget, self)
         return value
 
     body["usage"] = property(timed_usage)
@@ -154,8 +163,8 @@ def time_views(manager: Any, clock: Clock) -> None:
                         (manager.coordinator, "get_num_blocks_to_allocate")):
         fn = getattr(owner, name)
 
-        def timed(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
-            return clock.call(_fn, *args, **kwargs)
+        def timed(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+            return clock.call(_name, _fn, *args, **kwargs)
 
         setattr(owner, name, timed)
 
@@ -298,6 +307,7 @@ def bench(config: str, rounds: int, running: int, warmup: int, steps: int, scale
     per: dict[str, dict[str, list[float]]] = {n: {"manager": [], "step": []}
                                               for n in ("vllm", "kvfunc")}
     calls: dict[str, int] = {}
+    split: dict[str, dict[str, Any]] = {}  # call -> µs per step of each lane, per round
     hits = 0
     for _ in range(rounds):
         lanes = run_round(windows, requests, running, warmup, steps)
@@ -305,6 +315,9 @@ def bench(config: str, rounds: int, running: int, warmup: int, steps: int, scale
             per[name]["manager"].append((lane.clock.ns - cost * lane.clock.calls) / steps / 1e3)
             per[name]["step"].append((lane.step_ns - cost * lane.clock.calls) / steps / 1e3)
             calls[name] = lane.clock.calls
+            for call, (ns, n) in lane.clock.by_call.items():
+                split.setdefault(call, {"vllm": [], "kvfunc": [], "calls_per_step": n / steps})
+                split[call][name].append((ns - cost * n) / steps / 1e3)
         hits = lanes["vllm"].clock.hits
     ratio = {k: statistics.median(b / a for a, b in zip(per["vllm"][k], per["kvfunc"][k],
                                                          strict=True))
@@ -312,7 +325,11 @@ def bench(config: str, rounds: int, running: int, warmup: int, steps: int, scale
     out = {"windows": list(windows), "running": running, "steps": steps, "rounds": rounds,
            "wrapper_ns_per_call": cost, "calls_per_round": calls, "hit_tokens": hits,
            "us_per_step": {n: {k: statistics.median(v) for k, v in d.items()}
-                           for n, d in per.items()}, "runs_us": per, "ratio": ratio}
+                           for n, d in per.items()}, "runs_us": per, "ratio": ratio,
+           "by_call_us_per_step": {c: {"calls_per_step": d["calls_per_step"],
+                                       **{n: statistics.median(d[n]) for n in ("vllm", "kvfunc")
+                                          if d[n]}}
+                                   for c, d in split.items()}}
     report(config, out)
     if profile:
         print(profile_kvfunc(windows, requests, running, warmup, min(steps, 100)))
@@ -334,6 +351,12 @@ def report(config: str, out: dict[str, Any]) -> None:
         print(f"  kvfunc / vLLM, {key:7s}: {ratio[key]:.2f}x (target <= {target}x: {verdict})")
     print(f"  steps and block ids identical in both lanes; prefix-hit tokens identical: "
           f"{out['hit_tokens']}")
+    print("  by call (µs per step, medians; the five largest for vLLM):")
+    rows = sorted(out["by_call_us_per_step"].items(), key=lambda kv: -kv[1].get("vllm", 0))
+    for call, d in rows[:5]:
+        v, k = d.get("vllm", 0.0), d.get("kvfunc", 0.0)
+        print(f"    {call:34s} {d['calls_per_step']:6.1f} calls  vllm {v:8.1f}  kvfunc {k:8.1f}"
+              f"  ({k / v if v else float('nan'):.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:
