@@ -263,6 +263,7 @@ def run_round(windows: tuple[int | None, ...], requests: list[Any], running: int
             lane.step()
     for lane in lanes.values():
         lane.step_ns, lane.clock.ns, lane.clock.calls, lane.digests = 0, 0, 0, []
+        lane.clock.by_call = {}
     order = list(lanes.values())
     gc.collect()
     gc.disable()
