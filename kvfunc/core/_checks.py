@@ -22,6 +22,7 @@ __all__ = [
     "check_priority",
     "check_request_id",
     "excerpt",
+    "is_priority",
     "is_request_id",
 ]
 
@@ -155,6 +156,15 @@ but got 0
 MAX_PRIORITY = 1000
 
 
+def is_priority(value: object) -> bool:
+    """Whether ``value`` is a retention priority: an ``int`` (not a bool) within ``±MAX_PRIORITY``.
+
+    >>> is_priority(-3), is_priority(1001), is_priority(True)
+    (True, False, False)
+    """
+    return type(value) is int and -MAX_PRIORITY <= value <= MAX_PRIORITY
+
+
 def check_priority(value: object) -> int:
     """``value`` if it is a retention priority: an ``int`` within ``±MAX_PRIORITY``.
 
@@ -169,7 +179,7 @@ def check_priority(value: object) -> int:
     """
     if type(value) is not int:
         raise InvalidTypeError(f"a priority must be an int, but got {excerpt(value)}")
-    if not -MAX_PRIORITY <= value <= MAX_PRIORITY:
+    if not is_priority(value):
         msg = f"a priority must be within {-MAX_PRIORITY}..{MAX_PRIORITY}, but got {excerpt(value)}"
         raise InvalidArgumentError(msg)
     return value

@@ -190,12 +190,8 @@ class Linked:
 
     def ids(self) -> Iterator[int]:
         """The ids front to back (O(count); markers skipped)."""
-        nxt, s = self.next, self.sentinel
-        b = nxt[s]
-        while b != s:
-            if b < s:
-                yield b
-            b = nxt[b]
+        s = self.sentinel
+        return (b for b in _walk(self.next, s) if b < s)
 
     def layout(self) -> tuple[Any, ...]:
         """The whole order, markers shown as ``("priority", p)`` (for equality and checks).

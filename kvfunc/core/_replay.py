@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kvfunc.core._checks import MAX_PRIORITY, excerpt, is_request_id
+from kvfunc.core._checks import excerpt, is_priority, is_request_id
 from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, BlocksChanged
 from kvfunc.core._errors import InvalidTypeError, ReplayMismatchError, UnknownRequestError
 from kvfunc.core._group import GroupCopy
@@ -234,7 +234,7 @@ def _retained(tr: Transient, op: Any, level: list[Any]) -> None:
         _fail("a retention priority with no Freed run after it")
     if type(op.key) is not str or not tr.group(op.key).pool.caching:
         _fail(f"{excerpt(op.key)} is not a group with a prefix cache")
-    if type(op.priority) is not int or not op.priority or abs(op.priority) > MAX_PRIORITY:
+    if not is_priority(op.priority) or not op.priority:
         _fail(f"priority {excerpt(op.priority)} is not a retention priority other than 0")
     level.append(op)
 

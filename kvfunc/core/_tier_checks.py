@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from kvfunc.core._checks import MAX_PRIORITY, excerpt, is_request_id
+from kvfunc.core._checks import excerpt, is_priority, is_request_id
 from kvfunc.core._errors import InvalidTypeError, KVFuncError, ReplayMismatchError
 from kvfunc.core._invariants import check_invariants
 from kvfunc.core._replay import replay
@@ -52,8 +52,8 @@ def check_tiered_invariants(state: TieredState) -> None:
     check_invariants(state.device)
     moves = state.moves
     assert all(i < state.next_move_id for i in moves), "a move id from the future"
-    assert all(map(_is_priority, state.priorities.values())), "a priority out of range"
-    assert all(_is_priority(m.priority) for m in moves.values()), "a move's priority out of range"
+    assert all(map(is_priority, state.priorities.values())), "a priority out of range"
+    assert all(is_priority(m.priority) for m in moves.values()), "a move's priority out of range"
     host_pins: Counter[bytes] = Counter()
     remote_pins: Counter[bytes] = Counter()
     writes: dict[bytes, int] = {}
@@ -99,7 +99,7 @@ def _check_index(index: TierIndex, pins: Counter[bytes], writing: set[bytes]) ->
     in_order = 0
     for digest, e in index.entries.items():
         assert e.pins == pins.get(digest, 0), f"pins of {digest!r}: {e.pins} != {pins[digest]}"
-        assert _is_priority(e.priority), f"the priority of {digest!r} is out of range"
+        assert is_priority(e.priority), f"the priority of {digest!r} is out of range"
         if not e.pins:
             assert index.order[e.priority][e.tick] == digest, f"{digest!r} not in the order"
             in_order += 1
@@ -107,10 +107,6 @@ def _check_index(index: TierIndex, pins: Counter[bytes], writing: set[bytes]) ->
     for p, level in index.order.items():
         assert level and index.heads[p] == min(level.keys()), f"head of priority {p}"
     assert set(index.heads) == set(index.order), "heads of empty priorities"
-
-
-def _is_priority(value: object) -> bool:
-    return type(value) is int and -MAX_PRIORITY <= value <= MAX_PRIORITY
 
 
 def replay_tiered(state: TieredState, deltas: Iterable[TierDelta]) -> TieredState:
@@ -157,7 +153,7 @@ def replay_tiered(state: TieredState, deltas: Iterable[TierDelta]) -> TieredStat
 def _apply(work: TierWork, code: str, row: tuple[Any, ...]) -> None:
     """One tier row of a log, through the transitions' primitive (checked where it matters)."""
     if code == "P":
-        if not is_request_id(row[0]) or not _is_priority(row[1]):
+        if not is_request_id(row[0]) or not is_priority(row[1]):
             raise ReplayMismatchError(f"a priority row of a wrong type or range: {excerpt(row)}")
         work.prioritize(*row)
     elif code == "G":
@@ -168,7 +164,7 @@ def _apply(work: TierWork, code: str, row: tuple[Any, ...]) -> None:
             raise ReplayMismatchError(f"move {excerpt(move_id)} ({excerpt(direction)}) is not the "
                                       "next move")
         if (type(digest) is not bytes or not digest or type(src) is not int
-                or type(dst) is not int or not _is_priority(priority)
+                or type(dst) is not int or not is_priority(priority)
                 or (rid is not None and not is_request_id(rid))):
             raise ReplayMismatchError(f"move {excerpt(move_id)} has a cell of a wrong type: "
                                       f"{excerpt(row)}")

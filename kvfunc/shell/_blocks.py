@@ -32,7 +32,7 @@ from kvfunc.core import (
     MissingKeyError,
     TierDelta,
 )
-from kvfunc.shell._tables import int_array
+from kvfunc.shell._tables import device_delta, int_array
 
 __all__ = ["TensorSet", "apply_delta", "copy_blocks", "swap_blocks", "zero_blocks"]
 
@@ -207,7 +207,7 @@ def _zero(named: _Named, ids: _Ids) -> None:
             t.index_fill_(0, ids.on(t.device), 0)
 
 
-def apply_delta(tensors_by_key: Mapping[str, TensorSet], delta: BlocksChanged, *,
+def apply_delta(tensors_by_key: Mapping[str, TensorSet], delta: BlocksChanged | TierDelta, *,
                 zero_new_blocks: bool = False) -> None:
     """Perform what a delta asks of the cache tensors: block copies, then optional zeroing.
 
@@ -258,11 +258,7 @@ def apply_delta(tensors_by_key: Mapping[str, TensorSet], delta: BlocksChanged, *
     >>> apply_delta({"full": [t]}, d, zero_new_blocks=True); t[:, 0].tolist()
     [1.0, 4.0, 3.0, 0.0]
     """
-    if isinstance(delta, TierDelta):
-        delta = delta.device
-    if not isinstance(delta, BlocksChanged):
-        msg = f"expected a BlocksChanged or TierDelta delta, got {type(delta).__name__}"
-        raise InvalidTypeError(msg)
+    delta = device_delta(delta)
     copies: list[tuple[str, int, int]] = []
     appended: list[tuple[int, str, int]] = []  # (copies before it, key, block)
     seeded: set[tuple[str, int]] = set()

@@ -46,7 +46,6 @@ from kvfunc.core import (
     DELTA_VERSION,
     BlocksChanged,
     InvalidArgumentError,
-    InvalidTypeError,
     KVState,
     RequestId,
     TierDelta,
@@ -54,7 +53,7 @@ from kvfunc.core import (
 )
 from kvfunc.shell._buffer_delta import DeltaPlan, mismatch
 from kvfunc.shell._device import DeviceLike, is_accelerator, resolve_device
-from kvfunc.shell._tables import block_indices, token_rows
+from kvfunc.shell._tables import block_indices, device_delta, token_rows
 
 __all__ = ["BlockTableBuffer", "TableSpec", "specs_from_state"]
 
@@ -312,11 +311,7 @@ class BlockTableBuffer:
             InvalidArgumentError: a table would pass its width, or more
                 requests than rows.
         """
-        if isinstance(delta, TierDelta):
-            delta = delta.device
-        if not isinstance(delta, BlocksChanged):
-            msg = f"expected a BlocksChanged or TierDelta delta, got {type(delta).__name__}"
-            raise InvalidTypeError(msg)
+        delta = device_delta(delta)
         if delta.version != DELTA_VERSION:
             raise mismatch(f"version {delta.version} is not {DELTA_VERSION}")
         if delta.is_empty:

@@ -28,7 +28,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvfunc.core import BlockId, InvalidArgumentError, InvalidTypeError, KVState, RequestId
+from kvfunc.core import (
+    BlockId,
+    BlocksChanged,
+    InvalidArgumentError,
+    InvalidTypeError,
+    KVState,
+    RequestId,
+    TierDelta,
+)
 from kvfunc.shell._device import DeviceLike, resolve_device
 
 __all__ = [
@@ -36,12 +44,32 @@ __all__ = [
     "block_indices",
     "build_block_tables",
     "build_slot_mappings",
+    "device_delta",
     "int_array",
     "is_dummy_request",
     "pack_rows",
     "slot_mapping",
     "token_rows",
 ]
+
+
+def device_delta(delta: object) -> BlocksChanged:
+    """What changed on the device: ``delta`` itself, or a :class:`~kvfunc.TierDelta`'s device
+    delta (its moves copy block contents, never table entries); else a typed error.
+
+    >>> device_delta(BlocksChanged()).is_empty
+    True
+    >>> device_delta("junk")
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidTypeError: expected a BlocksChanged or TierDelta delta, got str
+    """
+    if isinstance(delta, TierDelta):
+        delta = delta.device
+    if not isinstance(delta, BlocksChanged):
+        msg = f"expected a BlocksChanged or TierDelta delta, got {type(delta).__name__}"
+        raise InvalidTypeError(msg)
+    return delta
 
 
 def is_dummy_request(request_id: object) -> bool:
