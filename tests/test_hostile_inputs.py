@@ -198,7 +198,7 @@ def test_the_quiet_entry_takes_the_lane_and_the_others_the_step(
     GROW reaches the step or the lane's lean grow once, NEW the step."""
     _, s, _ = world(caching, layout)
     steps: list[Any] = []
-    real, real_grow = fold_module.step, fold_module.grow_only
+    real, real_grow = fold_module.step, fold_module.lean_step
 
     def counting(*args: Any) -> bool:
         steps.append(args[1])
@@ -209,7 +209,7 @@ def test_the_quiet_entry_takes_the_lane_and_the_others_the_step(
         return real_grow(*args)
 
     monkeypatch.setattr(fold_module, "step", counting)
-    monkeypatch.setattr(fold_module, "grow_only", counting_grow)
+    monkeypatch.setattr(fold_module, "lean_step", counting_grow)
     served = ("allocate_slots", "SlotRequest", "8-tuple", "3-tuple, batch lookahead and mapping")
     for base, stepped in ((QUIET, []), (GROW, ["a"]), (NEW, ["n"])):
         calls = forms(s, entry_fields(base, caching, "request_id", base[0]), caching)

@@ -180,3 +180,35 @@ def test_a_quiet_call_answers_with_the_state_it_was_given_whichever_came_last() 
     grown = kf.allocate_slots(a, "r", 3, 2)  # a new block: never the quiet answer
     assert grown.state is not a and len(kf.get_block_ids(grown.state, "r")["full"]) == 2
     assert kf.get_block_ids(a, "r")["full"] == (1,)
+
+
+def test_a_window_sliding_one_block_takes_the_lean_step_and_equals_the_step(monkeypatch: Any
+                                                                            ) -> None:
+    """Decode steps of a full + window model on one shared pool, prefix caching on: a step
+    where the window's next block leaves it (with or without a new block) is served by the
+    lane's lean step, never the general step, and every state, delta and refusal equals the
+    general step's; a jump past two blocks goes to the general step."""
+    groups = {"full": kf.FullAttention(num_blocks=9, block_size=4),
+              "swa": kf.SlidingWindow(num_blocks=9, block_size=4, sliding_window=6)}
+    base = kf.KVState.create(groups, 256, enable_prefix_caching=True, layout="shared")
+    h = kf.BlockHashes.of(list(range(10)), 4)  # two full blocks: the third is never cached
+    start = kf.allocate_slots(base, "r", 0, 10, block_hashes=h).state
+    stepped: list[Any] = []
+    real = fold_module.step
+    monkeypatch.setattr(fold_module, "step", lambda *a: stepped.append(a[2]) or real(*a))
+    runs = []
+    for on in (True, False):
+        state, out = start, []
+        with lane(on):
+            for done in range(10, 24):
+                r = kf.allocate_slots(state, "r", done, 1, block_hashes=h)
+                out.append((r.ok, r.state, r.delta))
+                state = r.state
+            out.append(kf.allocate_slots(state, "r", 40, 1, block_hashes=h)[:2])
+        runs.append((out, list(stepped)))
+        stepped.clear()
+    (fast, fast_steps), (slow, _) = runs
+    assert fast == slow
+    assert any(not ok for ok, *_ in fast[:-1])  # the pool ran out: a refusal on both paths
+    slides = [d for ok, _, d in fast[:-1] if ok and d.nulled_positions]
+    assert slides and fast_steps == [40]  # only the jump past two blocks reached the step

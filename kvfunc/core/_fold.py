@@ -20,8 +20,9 @@ Each row carries its *quiet limits* (``_rows``), computed by the policy when
 the row was stored (:func:`~kvfunc.core._policy.row_limits`), so the fold
 recognises such an entry from four comparisons per group and skips the step:
 the lane.  An entry whose only work is growing tables (its tokens passed the
-blocks they hold, nothing else moved) goes
-straight to :func:`~kvfunc.core._step.grow_only`.  The lane decides nothing
+blocks they hold) and sliding one block out of a window (the window's
+next block left it), nothing else moved, goes straight to
+:func:`~kvfunc.core._step.lean_step`.  The lane decides nothing
 of its own; ``tests/test_lane.py`` runs random
 programs with and without it and compares every state and delta, and
 ``bench_core.py`` measures what it earns.
@@ -37,7 +38,7 @@ from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSuppo
 from kvfunc.core._hashing import BlockHashes
 from kvfunc.core._policy import NEVER
 from kvfunc.core._prefix import PrefixHit
-from kvfunc.core._step import grow_only, step
+from kvfunc.core._step import lean_step, step
 from kvfunc.core._transient import Transient
 
 __all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "quiet", "slot_entry"]
@@ -219,25 +220,30 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
             rid, computed, written, total, hashes = plain
         if total > limit or written > limit:
             computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
-        if lane:  # quiet in every group, or growing in some: the rows' limits say so
-            grows = None
+        if lane:  # quiet in every group, or growing or sliding in some: the rows' limits say
+            work = None
             for view in tr.views:  # the working copies once written: rows as of now
                 try:
                     row = view.rows[rid]  # a subscript costs half a ``get`` here
                 except KeyError:
                     break  # not registered in this group
-                if (not row[8] <= computed < row[6]
+                if (not row[8] <= computed
                         or (hashes is not None and written >= row[7]
                             and hashes.num_tokens >= row[7])):
                     break
+                slides = computed >= row[6]  # the window's next block leaves it
+                if slides and computed >= row[6] + view.traits[0]:
+                    break  # more than one block slides out
                 if total > row[5]:  # past the blocks it holds
                     if hashes is not None and row[7] >= NEVER:
                         break  # every held block is cached: a new one may complete too
-                    grows = [(view, row)] if grows is None else [*grows, (view, row)]
-            else:
-                if grows is None:
+                elif not slides:
                     continue
-                if not grow_only(tr, rid, grows, total):
+                work = [(view, row, slides)] if work is None else [*work, (view, row, slides)]
+            else:
+                if work is None:
+                    continue
+                if not lean_step(tr, rid, work, total):
                     refused.append(rid)
                 continue
         if not step(tr, rid, computed, written, total, 0, None, hashes, None):

@@ -40,7 +40,7 @@ from kvfunc.core._pool import cache_key
 from kvfunc.core._rows import Row, leading_nulls, recycled_free
 from kvfunc.core._transient import Transient
 
-__all__ = ["Plan", "apply_plans", "grow_only", "has_room", "plan_group", "step"]
+__all__ = ["Plan", "apply_plans", "has_room", "lean_step", "plan_group", "step"]
 
 _new = tuple.__new__
 
@@ -251,31 +251,39 @@ def cache_step(g: GroupCopy, request_id: Any, row: Row, computed: int, written: 
     return row
 
 
-def grow_only(tr: Transient, request_id: Any, grows: list[tuple[Any, Row]], total: int) -> bool:
-    """The step of an entry whose only work is growing some groups' tables to ``total`` tokens.
+def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]], total: int
+              ) -> bool:
+    """The step of an entry whose only work is growing tables and sliding one block out.
 
-    The fold's lane calls it with the ``(group, row)`` pairs whose rows'
-    quiet limits hold but for room, every other group quiet: nothing slides
-    out, nothing is copied, nothing completes for the cache.  The general
-    step's plans would be these grows, and its room check the sum of their
-    needs per pool (:func:`has_room`).  False (``tr`` untouched) when a pool
-    lacks the blocks.
+    The fold's lane calls it with ``(group, row, slides)`` for each group
+    whose rows' quiet limits hold but for room or for the window's next
+    block leaving (``slides``: exactly one, position ``row.nulls``), every
+    other group quiet: nothing is copied, nothing completes for the cache.
+    The general step's plans would be these: the same recycling, the
+    policy's :func:`blocks_needed`, the room check of :func:`has_room`, every
+    group recycling before any takes a block.  False (``tr`` untouched) when
+    a pool lacks the blocks.
     """
     views, plans = tr.views, []
-    for view, row in grows:
+    for view, row, slides in work:
         i = 0
         while views[i] is not view:
             i += 1
-        plans.append((i, row, blocks_needed(view.policy, True, row[9], total)[1]))
-    if len(plans) == 1:  # one group, one pool: its free count is the room check
-        i, row, need = plans[0]
-        if need > tr.pools[tr.group_pool[i]].queue.count:
+        need = blocks_needed(view.policy, True, row[9], total)[1] if total > row[5] else 0
+        plans.append(_new(Plan, (i, row, None, 0, row[1] + 1 if slides else 0, 0, need, (),
+                                 0, False)))
+    if len(plans) == 1 and not plans[0][4]:  # one group, one pool: its free count is the room
+        if plans[0][6] > tr.pools[tr.group_pool[plans[0][0]]].queue.count:
             return False
-    elif not has_room(tr, [_new(Plan, (i, row, None, 0, 0, 0, need, (), 0, False))
-                           for i, row, need in plans], 0):
+    elif not has_room(tr, plans, 0):
         return False
-    for i, row, need in plans:
-        tr.copy(i).extend(request_id, row, need)
+    rows = [tr.copy(p[0]).recycle(request_id, p[1], p[4]) if p[4] else p[1] for p in plans]
+    for p, row in zip(plans, rows, strict=True):
+        g = tr.copy(p[0])
+        if p[6]:
+            g.extend(request_id, row, p[6])
+        else:
+            g.put(request_id, row)
     return True
 
 
