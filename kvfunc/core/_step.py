@@ -264,26 +264,26 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
     group recycling before any takes a block.  False (``tr`` untouched) when
     a pool lacks the blocks.
     """
-    views, plans = tr.views, []
+    views, moves = tr.views, []
     for view, row, slides in work:
         i = 0
         while views[i] is not view:
             i += 1
         need = blocks_needed(view.policy, True, row[9], total)[1] if total > row[5] else 0
-        plans.append(_new(Plan, (i, row, None, 0, row[1] + 1 if slides else 0, 0, need, (),
-                                 0, False)))
-    if len(plans) == 1 and not plans[0][4]:  # one group, one pool: its free count is the room
-        if plans[0][6] > tr.pools[tr.group_pool[plans[0][0]]].queue.count:
+        moves.append((i, row, row[1] + 1 if slides else 0, need))
+    if len(moves) == 1 and not moves[0][2]:  # one group, one pool: its free count is the room
+        if moves[0][3] > tr.pools[tr.group_pool[moves[0][0]]].queue.count:
             return False
-    elif not has_room(tr, plans, 0):
+    elif not has_room(tr, [_new(Plan, (i, row, None, 0, upto, 0, need, (), 0, False))
+                           for i, row, upto, need in moves], 0):
         return False
-    rows = [tr.copy(p[0]).recycle(request_id, p[1], p[4]) if p[4] else p[1] for p in plans]
-    for p, row in zip(plans, rows, strict=True):
-        g = tr.copy(p[0])
-        if p[6]:
-            g.extend(request_id, row, p[6])
+    rows = [tr.copy(i).recycle(request_id, row, upto) if upto else row
+            for i, row, upto, _ in moves]
+    for (i, _, _, need), row in zip(moves, rows, strict=True):
+        if need:
+            tr.copy(i).extend(request_id, row, need)
         else:
-            g.put(request_id, row)
+            tr.copy(i).put(request_id, row)
     return True
 
 
