@@ -134,6 +134,30 @@ def test_an_int_subclass_token_is_refused_on_every_path(tokens: list[int]) -> No
         assert isinstance(raises_typed(lambda: start.update(tokens)), kf.InvalidTypeError)
 
 
+class _PosesAsInt(type):
+    """A metaclass whose classes compare equal to ``int`` (an equality check would pass them)."""
+
+    def __eq__(cls, other: object) -> bool:
+        return other is int or cls is other
+
+    __hash__ = type.__hash__
+
+
+class _Impostor(int, metaclass=_PosesAsInt):
+    """An int subclass whose type claims to equal ``int``."""
+
+
+def test_a_token_whose_type_claims_to_equal_int_is_refused() -> None:
+    """The token check asks for ``int`` itself, not for a type equal to it: a metaclass that
+    answers True to ``== int`` does not get an int subclass through, on any path."""
+    assert [_Impostor].count(int) == 1  # the disguise works on a check by equality
+    tokens = [0, 1, 2, _Impostor(3)]
+    for call in (lambda: kf.BlockHashes.of(tokens, 2), lambda: kf.BlockHashes.of(tokens, 4),
+                 lambda: kf.BlockHashes.of(tokens[:2], 2).update(tokens),
+                 lambda: kf.BlockHashes.of_digests([b"d0", b"d1"], tokens, 2)):
+        assert isinstance(raises_typed(call), kf.InvalidTypeError)
+
+
 @pytest.mark.parametrize("where", ["extra_keys", "cache_salt"])
 def test_an_int_subclass_key_or_salt_is_refused(where: str) -> None:
     """A key or salt whose type is an int subclass is refused like a bool (its str() could lie)."""
