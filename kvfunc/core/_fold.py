@@ -190,14 +190,13 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
 
     The common forms (a plain 3-tuple; a ``SlotRequest`` or 8-tuple with no
     reservation, manager-key subset or hit) are checked as :func:`check_entry`
-    checks the rest, and the lane serves a quiet or only-growing one.
+    checks the rest, and the lane serves a quiet, growing or one-block-sliding one.
     ``block_hashes``: ``allocate_batch``'s mapping; ``own``: a 3-tuple's hashes.
     """
     if block_hashes and not tr.caching:
         check_hashes(tr, None, False)  # raises: hashes need a caching state
     mapping, refused = block_hashes if tr.caching else None, []
-    limit, lane = tr.max_model_len, LANE
-    la_plain = lookahead >= 0  # then every plain 3-tuple's count is non-negative
+    limit, lane, la_plain = tr.max_model_len, LANE, lookahead >= 0  # la_plain: 3-tuples' >= 0
     hashed = mapping is not None or own is not None  # a 3-tuple may have hashes
     for e in entries:
         if type(e) is tuple and len(e) == 3:
@@ -209,8 +208,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                     refused.append(rid)
                 continue
             hashes = _hashes_of(tr, rid, own, mapping) if hashed else None
-            written = computed + new
-            total = written + lookahead
+            written, total = computed + new, computed + new + lookahead
         else:
             plain = _plain_slot(tr, e, mapping)
             if plain is None:
@@ -227,9 +225,8 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                     row = view.rows[rid]  # a subscript costs half a ``get`` here
                 except KeyError:
                     break  # not registered in this group
-                if (not row[8] <= computed
-                        or (hashes is not None and written >= row[7]
-                            and hashes.num_tokens >= row[7])):
+                if not row[8] <= computed or (
+                        hashes is not None and written >= row[7] <= hashes.num_tokens):
                     break
                 slides = computed >= row[6]  # the window's next block leaves it
                 if slides and computed >= row[6] + view.traits[0]:
@@ -241,9 +238,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                     continue
                 work = [(view, row, slides)] if work is None else [*work, (view, row, slides)]
             else:
-                if work is None:
-                    continue
-                if not lean_step(tr, rid, work, total):
+                if work is not None and not lean_step(tr, rid, work, total):
                     refused.append(rid)
                 continue
         if not step(tr, rid, computed, written, total, 0, None, hashes, None):
