@@ -195,21 +195,21 @@ def test_the_issues_cases_are_one_typed_error_on_every_path(caching: bool, layou
 def test_the_quiet_entry_takes_the_lane_and_the_others_the_step(
         caching: bool, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The entries the attacks use: QUIET never reaches the step (so the lane is attacked);
-    GROW reaches the step or the lane's lean grow once, NEW the step."""
+    GROW reaches the step or the lane's lean step once, NEW the step."""
     _, s, _ = world(caching, layout)
     steps: list[Any] = []
-    real, real_grow = fold_module.step, fold_module.lean_step
+    real, real_lean = fold_module.step, fold_module.lean_step
 
     def counting(*args: Any) -> bool:
         steps.append(args[1])
         return real(*args)
 
-    def counting_grow(*args: Any) -> bool:
+    def counting_lean(*args: Any) -> bool:
         steps.append(args[1])
-        return real_grow(*args)
+        return real_lean(*args)
 
     monkeypatch.setattr(fold_module, "step", counting)
-    monkeypatch.setattr(fold_module, "lean_step", counting_grow)
+    monkeypatch.setattr(fold_module, "lean_step", counting_lean)
     served = ("allocate_slots", "SlotRequest", "8-tuple", "3-tuple, batch lookahead and mapping")
     for base, stepped in ((QUIET, []), (GROW, ["a"]), (NEW, ["n"])):
         calls = forms(s, entry_fields(base, caching, "request_id", base[0]), caching)

@@ -114,7 +114,8 @@ def test_the_lane_equals_the_step_with_prefix_caching(seed: int, layout: str) ->
 @given(st.data())
 def test_row_limits_stand_for_the_policy_answers(data: st.DataObject) -> None:
     """Within a row's quiet limits the policy recycles nothing and needs no block; at each
-    limit it does (the limits are tight, so the lane sends every busy entry to the step)."""
+    limit it does (the limits are tight, so the lane sends every busy entry on), and less
+    than one block past the slide limit exactly one block has left the window."""
     bs = data.draw(st.sampled_from([1, 2, 4, 16]))
     policy: Any = data.draw(st.sampled_from([
         kf.FullAttention(num_blocks=64, block_size=bs),
@@ -128,6 +129,8 @@ def test_row_limits_stand_for_the_policy_answers(data: st.DataObject) -> None:
     for computed in range(0, room + 2 * bs + 2):
         upto = slid_out(policy, traits[2], computed, held)
         assert (upto > nulls) == (computed >= slide), (computed, slide, upto, nulls)
+        if slide <= computed < slide + bs:  # the lane's lean step: exactly one block leaves
+            assert upto == nulls + 1, (computed, slide, upto, nulls)
     for total in range(0, room + bs + 1):
         assert (blocks_needed(policy, True, held, total) != (0, 0)) == (total > room)
 
@@ -211,4 +214,6 @@ def test_a_window_sliding_one_block_takes_the_lean_step_and_equals_the_step(monk
     assert fast == slow
     assert any(not ok for ok, *_ in fast[:-1])  # the pool ran out: a refusal on both paths
     slides = [d for ok, _, d in fast[:-1] if ok and d.nulled_positions]
-    assert slides and fast_steps == [40]  # only the jump past two blocks reached the step
+    assert any(d.appended_block_ids for d in slides)  # a slide with a new block
+    assert any(not d.appended_block_ids for d in slides)  # and one without
+    assert fast_steps == [40]  # only the jump past two blocks reached the step

@@ -218,7 +218,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
             rid, computed, written, total, hashes = plain
         if total > limit or written > limit:
             computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
-        if lane:  # quiet in every group, or growing or sliding in some: the rows' limits say
+        if lane:  # quiet in every group, or growing or sliding in some: the rows' limits tell
             work = None
             for view in tr.views:  # the working copies once written: rows as of now
                 try:
@@ -238,7 +238,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                     continue
                 work = [(view, row, slides)] if work is None else [*work, (view, row, slides)]
             else:
-                if work is not None and not lean_step(tr, rid, work, total):
+                if work is not None and not lean_step(tr, rid, work, computed, total):
                     refused.append(rid)
                 continue
         if not step(tr, rid, computed, written, total, 0, None, hashes, None):

@@ -40,7 +40,8 @@ from kvfunc.core._pool import cache_key
 from kvfunc.core._rows import Row, leading_nulls, recycled_free
 from kvfunc.core._transient import Transient
 
-__all__ = ["Plan", "apply_plans", "has_room", "lean_step", "plan_group", "step"]
+__all__ = ["Plan", "apply_plans", "has_room", "lean_step", "plan_group", "recycle_first",
+           "step"]
 
 _new = tuple.__new__
 
@@ -203,19 +204,28 @@ def _gain(tr: Transient, p: Plan) -> int:
     return recycled_free(row, p.upto, tr.pools[tr.group_pool[p.group]].refs)
 
 
-def apply_plans(tr: Transient, request_id: Any, plans: list[Plan]) -> list[Row]:
-    """Phase 3: the plans' rows after recycling, registering, sharing, growing and copying.
+def recycle_first(tr: Transient, request_id: Any, plans: list[Plan]) -> list[Any]:
+    """The plans' rows, each with its slid-out positions recycled (None: not registered yet).
 
     Every group recycles before any group takes a block, as the seed's
     phase 1 and vLLM's ``remove_skipped_blocks`` do: in a pool shared by
     several groups, a block one group recycles is the next another takes.
+    The step (:func:`apply_plans`) and the lane's :func:`lean_step` both
+    begin here.
     """
-    copies = [tr.copy(p.group) for p in plans]
-    rows: list[Any] = [p.row for p in plans]
+    rows: list[Any] = [p[1] for p in plans]
     for k, p in enumerate(plans):
         row = rows[k]
-        if row is not None and p.upto > row.nulls:
-            rows[k] = copies[k].recycle(request_id, row, p.upto)
+        if row is not None and p[4] > row[1]:
+            rows[k] = tr.copy(p[0]).recycle(request_id, row, p[4])
+    return rows
+
+
+def apply_plans(tr: Transient, request_id: Any, plans: list[Plan]) -> list[Row]:
+    """Phase 3: the plans' rows after recycling (:func:`recycle_first`), registering,
+    sharing, growing and copying."""
+    copies = [tr.copy(p.group) for p in plans]
+    rows = recycle_first(tr, request_id, plans)
     if any(r is None for r in rows):
         seq, tr.seq = tr.seq, tr.seq + 1
         for k, p in enumerate(plans):
@@ -251,39 +261,35 @@ def cache_step(g: GroupCopy, request_id: Any, row: Row, computed: int, written: 
     return row
 
 
-def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]], total: int
-              ) -> bool:
-    """The step of an entry whose only work is growing tables and sliding one block out.
+def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
+              computed: int, total: int) -> bool:
+    """The step of an entry whose only work is growing tables and sliding a block out.
 
     The fold's lane calls it with ``(group, row, slides)`` for each group
     whose rows' quiet limits hold but for room or for the window's next
-    block leaving (``slides``: exactly one, position ``row.nulls``), every
-    other group quiet: nothing is copied, nothing completes for the cache.
-    The general step's plans would be these: the same recycling, the
-    policy's :func:`blocks_needed`, the room check of :func:`has_room`, every
-    group recycling before any takes a block.  False (``tr`` untouched) when
-    a pool lacks the blocks.
+    block leaving, every other group quiet: nothing is copied, nothing
+    completes for the cache.  Its plans are the general step's: what slid
+    out (:func:`slid_out`), the blocks needed (:func:`blocks_needed`), the
+    room check (:func:`has_room`), the recycling first
+    (:func:`recycle_first`); only registering, sharing, copying and caching,
+    which it never needs, are left out.  False (``tr`` untouched) when a pool
+    lacks the blocks.
     """
-    views, moves = tr.views, []
+    views, plans = tr.views, []
     for view, row, slides in work:
         i = 0
         while views[i] is not view:
             i += 1
+        upto = slid_out(view.policy, view.traits[2], computed, row[9]) if slides else 0
         need = blocks_needed(view.policy, True, row[9], total)[1] if total > row[5] else 0
-        moves.append((i, row, row[1] + 1 if slides else 0, need))
-    if len(moves) == 1 and not moves[0][2]:  # one group, one pool: its free count is the room
-        if moves[0][3] > tr.pools[tr.group_pool[moves[0][0]]].queue.count:
-            return False
-    elif not has_room(tr, [_new(Plan, (i, row, None, 0, upto, 0, need, (), 0, False))
-                           for i, row, upto, need in moves], 0):
+        plans.append(_new(Plan, (i, row, None, 0, upto, 0, need, (), 0, False)))
+    if not has_room(tr, plans, 0):
         return False
-    rows = [tr.copy(i).recycle(request_id, row, upto) if upto else row
-            for i, row, upto, _ in moves]
-    for (i, _, _, need), row in zip(moves, rows, strict=True):
-        if need:
-            tr.copy(i).extend(request_id, row, need)
+    for p, row in zip(plans, recycle_first(tr, request_id, plans), strict=True):
+        if p[6]:
+            tr.copy(p[0]).extend(request_id, row, p[6])
         else:
-            tr.copy(i).put(request_id, row)
+            tr.copy(p[0]).put(request_id, row)
     return True
 
 
