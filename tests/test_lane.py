@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -156,8 +157,8 @@ def test_a_request_twice_in_one_batch_is_served_from_its_row_as_the_first_entry_
 
 def test_growing_past_a_fully_cached_table_caches_the_block_it_completes() -> None:
     """Every held block is cached (the row's fill limit is unbounded), and the step both takes
-    a block and fills it: the lane sends it to the step, which caches the new block, exactly
-    as without the lane."""
+    a block and fills it: the lane's lean step caches the new block, exactly as the step does
+    without the lane."""
     state = kf.KVState.create({"full": kf.FullAttention(num_blocks=16, block_size=4)}, 64,
                               enable_prefix_caching=True)
     h = kf.BlockHashes.of(list(range(12)), 4)
@@ -217,3 +218,43 @@ def test_a_window_sliding_one_block_takes_the_lean_step_and_equals_the_step(monk
     assert any(d.appended_block_ids for d in slides)  # a slide with a new block
     assert any(not d.appended_block_ids for d in slides)  # and one without
     assert fast_steps == [40]  # only the jump past two blocks reached the step
+
+
+@pytest.mark.parametrize("layout", ["per-type", "shared"])
+def test_decode_steps_that_complete_blocks_take_the_lean_step_and_equal_the_step(
+        layout: str, monkeypatch: Any) -> None:
+    """Decode steps of a full + window model, prefix caching on, hashing the token each step
+    writes or only those before it: a step that completes a block (alone, with a new block,
+    with the window sliding) is served by the lane's lean step, and every state, delta and
+    refusal equals the general step's."""
+    groups = {"full": kf.FullAttention(num_blocks=8, block_size=4),
+              "swa": kf.SlidingWindow(num_blocks=8, block_size=4, sliding_window=8)}
+    base = kf.KVState.create(groups, 256, enable_prefix_caching=True, layout=layout)
+    tokens = list(range(60))
+    start = kf.allocate_slots(base, "r", 0, 5, block_hashes=kf.BlockHashes.of(tokens[:5], 4))
+    stepped: list[Any] = []
+    real = fold_module.step
+    monkeypatch.setattr(fold_module, "step", lambda *a: stepped.append(a[1]) or real(*a))
+    runs = []
+    for on in (True, False):
+        state, out = start.state, []
+        with lane(on):
+            for done in range(5, 56):
+                eager = (done // 4) % 2 == 0  # hashing the token written, or not yet
+                h = kf.BlockHashes.of(tokens[:done + eager], 4)
+                r = kf.allocate_slots(state, "r", done, 1, block_hashes=h)
+                out.append((r.ok, r.state, r.delta))
+                state = r.state
+                if not r.ok:
+                    break
+        runs.append((out, list(stepped)))
+        stepped.clear()
+    (fast, fast_steps), (slow, _) = runs
+    assert fast == slow
+    assert fast_steps == []  # every decode step took the lane
+    deltas = [d for ok, _, d in fast if ok]
+    assert not fast[-1][0]  # the pool ran out: a refusal on both paths
+    stored = [d for d in deltas if d.stored_keys]
+    assert any(not d.appended_block_ids for d in stored)  # a block completes alone
+    assert any(d.appended_block_ids for d in stored)  # and with a new block
+    assert any(d.nulled_positions for d in stored)  # and with the window sliding

@@ -20,9 +20,9 @@ Each row carries its *quiet limits* (``_rows``), computed by the policy when
 the row was stored (:func:`~kvfunc.core._policy.row_limits`), so the fold
 recognises such an entry from four comparisons per group and skips the step:
 the lane.  An entry whose only work is growing tables (its tokens passed the
-blocks they hold) and sliding one block out of a window (the window's
-next block left it), nothing else moved, goes straight to
-:func:`~kvfunc.core._step.lean_step`.  The lane decides nothing
+blocks they hold), sliding one block out of a window (the window's next
+block left it) and caching the blocks it completes, nothing copied on write,
+goes straight to :func:`~kvfunc.core._step.lean_step`.  The lane decides nothing
 of its own; ``tests/test_lane.py`` runs random
 programs with and without it and compares every state and delta, and
 ``bench_core.py`` measures what it earns.
@@ -36,7 +36,6 @@ from typing import Any, NamedTuple
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id, excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 from kvfunc.core._hashing import BlockHashes
-from kvfunc.core._policy import NEVER
 from kvfunc.core._prefix import PrefixHit
 from kvfunc.core._step import lean_step, step
 from kvfunc.core._transient import Transient
@@ -190,7 +189,7 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
 
     The common forms (a plain 3-tuple; a ``SlotRequest`` or 8-tuple with no
     reservation, manager-key subset or hit) are checked as :func:`check_entry`
-    checks the rest, and the lane serves a quiet, growing or one-block-sliding one.
+    checks the rest, and the lane serves a quiet, growing, caching or one-block-sliding one.
     ``block_hashes``: ``allocate_batch``'s mapping; ``own``: a 3-tuple's hashes.
     """
     if block_hashes and not tr.caching:
@@ -225,20 +224,18 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                     row = view.rows[rid]  # a subscript costs half a ``get`` here
                 except KeyError:
                     break  # not registered in this group
-                if not row[8] <= computed or (
-                        hashes is not None and written >= row[7] <= hashes.num_tokens):
-                    break
+                if not row[8] <= computed:
+                    break  # a write below ``cow_from``: the step copies
                 slides = computed >= row[6]  # the window's next block leaves it
                 if slides and computed >= row[6] + view.traits[0]:
                     break  # more than one block slides out
-                if total > row[5]:  # past the blocks it holds
-                    if hashes is not None and row[7] >= NEVER:
-                        break  # every held block is cached: a new one may complete too
-                elif not slides:
-                    continue
+                if not (slides or total > row[5] or (  # past the blocks it holds, or
+                        hashes is not None and written >= row[7] <= hashes.num_tokens)):
+                    continue  # a held block completes for the cache; else quiet here
                 work = [(view, row, slides)] if work is None else [*work, (view, row, slides)]
             else:
-                if work is not None and not lean_step(tr, rid, work, computed, total):
+                if work is not None and not lean_step(tr, rid, work, computed, written, total,
+                                                      hashes):
                     refused.append(rid)
                 continue
         if not step(tr, rid, computed, written, total, 0, None, hashes, None):

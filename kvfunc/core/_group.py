@@ -26,6 +26,7 @@ from kvfunc.core._delta import COPY_SAVED, DeltaBuilder
 from kvfunc.core._policy import KEEPS_ALL, Policy, row_limits, skip_mode
 from kvfunc.core._pool import PoolCopy, cache_key
 from kvfunc.core._rows import (
+    ASK,
     Row,
     TablesView,
     append_ids,
@@ -303,11 +304,24 @@ class GroupCopy:
         ``hashes`` covers them (the caller checked); a block already cached
         (one this request shares) is passed over.
         """
-        p = row.stored if row.stored > row.nulls else row.nulls
-        pool, bs, nulls, tag = self.pool, self.block_size, row.nulls, self.tag
-        pool.writing()
+        nulls, stored = row[1], row[2]
+        p = stored if stored > nulls else nulls
+        pool, bs, tag = self.pool, self.block_size, self.tag
+        if not pool.writable:
+            pool.writing()
         m = bs // hashes.block_size
         digests, hash_of = hashes._digests, pool.hash_of
+        if upto == p + 1:  # one block completes: the common decode step
+            b = row[0][p]
+            if hash_of[b] is None:
+                h = digests[p] if m == 1 else digests[upto * m - 1]
+                pool.store_run((b,), (h if tag is None else h + tag,))
+                sink = self.sink
+                if sink is not None:
+                    sink.rows.append(_stored_row(self.key, request_id, p, b, h, hashes, m))
+                    sink.codes.append("T")
+            return _new(Row, (row[0], nulls, upto, row[3] if row[3] > upto else upto, row[4],
+                              *ASK, row[9]))
         positions = range(p, upto)
         run = row.ids[p:upto]
         hs = digests[p:upto] if m == 1 else digests[(p + 1) * m - 1:upto * m:m]
@@ -363,6 +377,15 @@ class GroupCopy:
         return self.mode == KEEPS_ALL
 
 
+def _stored_row(key: str, request_id: Any, position: int, block: int, digest: bytes,
+                hashes: Any, m: int) -> tuple[Any, ...]:
+    """The T row of caching ``block`` at ``position`` (one block of :func:`_stored_rows`)."""
+    bs = m * hashes.block_size
+    return (key, request_id, position, block, digest,
+            hashes._digests[position * m - 1] if position else None,
+            tuple(hashes._tokens[position * bs:(position + 1) * bs]))
+
+
 def _stored_rows(key: str, request_id: Any, positions: Sequence[int], run: Sequence[int],
                  digests: Sequence[bytes], hashes: Any, m: int) -> Any:
     """The T rows of caching ``run`` at ``positions`` under ``digests`` (``m`` hash blocks each).
@@ -379,6 +402,5 @@ def _stored_rows(key: str, request_id: Any, positions: Sequence[int], run: Seque
                    else [None, *every[m - 1:(n - 1) * m:m]])
         return zip(repeat(key), repeat(request_id), positions, run, digests, parents,
                    zip(*[toks] * bs, strict=True))
-    return [(key, request_id, q, b, h, every[q * m - 1] if q else None,
-             tuple(tokens[q * bs:(q + 1) * bs]))
+    return [_stored_row(key, request_id, q, b, h, hashes, m)
             for q, b, h in zip(positions, run, digests, strict=True)]

@@ -40,8 +40,8 @@ from kvfunc.core._pool import cache_key
 from kvfunc.core._rows import Row, leading_nulls, recycled_free
 from kvfunc.core._transient import Transient
 
-__all__ = ["Plan", "apply_plans", "has_room", "lean_step", "plan_group", "recycle_first",
-           "step"]
+__all__ = ["Plan", "apply_plans", "completes", "has_room", "lean_step", "plan_group",
+           "recycle_first", "step"]
 
 _new = tuple.__new__
 
@@ -262,18 +262,20 @@ def cache_step(g: GroupCopy, request_id: Any, row: Row, computed: int, written: 
 
 
 def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
-              computed: int, total: int) -> bool:
-    """The step of an entry whose only work is growing tables and sliding a block out.
+              computed: int, written: int, total: int, hashes: Any) -> bool:
+    """The step of an entry whose only work is growing tables, sliding a block out and
+    caching the blocks that complete.
 
     The fold's lane calls it with ``(group, row, slides)`` for each group
-    whose rows' quiet limits hold but for room or for the window's next
-    block leaving, every other group quiet: nothing is copied, nothing
-    completes for the cache.  Its plans are the general step's: what slid
-    out (:func:`slid_out`), the blocks needed (:func:`blocks_needed`), the
-    room check (:func:`has_room`), the recycling first
-    (:func:`recycle_first`); only registering, sharing, copying and caching,
-    which it never needs, are left out.  False (``tr`` untouched) when a pool
-    lacks the blocks.
+    whose rows' quiet limits hold but for room, for the window's next block
+    leaving or for a block completing, every other group quiet: nothing is
+    copied on write, nothing registers or shares.  Its plans are the general
+    step's: what slid out (:func:`slid_out`), the blocks needed
+    (:func:`blocks_needed`), what completes (:func:`completes`), the room
+    check (:func:`has_room`), the recycling first (:func:`recycle_first`),
+    the caching (:func:`cache_step`); only registering, sharing and copying,
+    which it never needs, are left out.  False (``tr`` untouched) when a
+    pool lacks the blocks.
     """
     views, plans = tr.views, []
     for view, row, slides in work:
@@ -282,14 +284,29 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
             i += 1
         upto = slid_out(view.policy, view.traits[2], computed, row[9]) if slides else 0
         need = blocks_needed(view.policy, True, row[9], total)[1] if total > row[5] else 0
-        plans.append(_new(Plan, (i, row, None, 0, upto, 0, need, (), 0, False)))
+        store = hashes is not None and completes(
+            view.traits, row[9] + need, row[2] if row[2] > row[1] else row[1], computed,
+            written, hashes)
+        plans.append(_new(Plan, (i, row, None, 0, upto, 0, need, (), 0, store)))
     if not has_room(tr, plans, 0):
         return False
-    for p, row in zip(plans, recycle_first(tr, request_id, plans), strict=True):
-        if p[6]:
-            tr.copy(p[0]).extend(request_id, row, p[6])
+    rows = recycle_first(tr, request_id, plans)
+    stores = False
+    for k, p in enumerate(plans):
+        g, row = tr.copy(p[0]), rows[k]
+        if p[9]:  # a block completes: cached below, after every group grew (the step's order)
+            stores = True
+            if p[6]:
+                rows[k] = g.grow(request_id, row, p[6])
+        elif p[6]:
+            g.extend(request_id, row, p[6])
         else:
-            tr.copy(p[0]).put(request_id, row)
+            g.put(request_id, row)
+    if stores:
+        for k, p in enumerate(plans):
+            if p[9]:
+                g = tr.copy(p[0])
+                g.put(request_id, cache_step(g, request_id, rows[k], computed, written, hashes))
     return True
 
 
