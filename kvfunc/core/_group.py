@@ -26,7 +26,6 @@ from kvfunc.core._delta import COPY_SAVED, DeltaBuilder
 from kvfunc.core._policy import KEEPS_ALL, Policy, row_limits, skip_mode
 from kvfunc.core._pool import PoolCopy, cache_key
 from kvfunc.core._rows import (
-    ASK,
     Row,
     TablesView,
     append_ids,
@@ -304,37 +303,32 @@ class GroupCopy:
         ``hashes`` covers them (the caller checked); a block already cached
         (one this request shares) is passed over.
         """
-        nulls, stored = row[1], row[2]
-        p = stored if stored > nulls else nulls
-        pool, bs, tag = self.pool, self.block_size, self.tag
-        if not pool.writable:
-            pool.writing()
-        m = bs // hashes.block_size
+        p = row[2] if row[2] > row[1] else row[1]  # past the stored blocks and the nulls
+        pool, m, tag, sink = self.pool, self.block_size // hashes.block_size, self.tag, self.sink
+        pool.writing()
         digests, hash_of = hashes._digests, pool.hash_of
         if upto == p + 1:  # one block completes: the common decode step
             b = row[0][p]
             if hash_of[b] is None:
                 h = digests[p] if m == 1 else digests[upto * m - 1]
                 pool.store_run((b,), (h if tag is None else h + tag,))
-                sink = self.sink
                 if sink is not None:
                     sink.rows.append(_stored_row(self.key, request_id, p, b, h, hashes, m))
                     sink.codes.append("T")
-            return _new(Row, (row[0], nulls, upto, row[3] if row[3] > upto else upto, row[4],
-                              *ASK, row[9]))
-        positions = range(p, upto)
-        run = row.ids[p:upto]
-        hs = digests[p:upto] if m == 1 else digests[(p + 1) * m - 1:upto * m:m]
-        if any(hash_of[b] is not None for b in run):  # shared blocks, cached already
-            keep = [i for i, b in enumerate(run) if hash_of[b] is None]
-            positions = [positions[i] for i in keep]  # type: ignore[assignment]
-            run, hs = [run[i] for i in keep], [hs[i] for i in keep]
-        pool.store_run(run, hs if tag is None else [h + tag for h in hs])
-        sink = self.sink
-        if sink is not None and run:
-            sink.rows.extend(_stored_rows(self.key, request_id, positions, run, hs, hashes, m))
-            sink.codes.append("T" * len(run))
-        return remade(row, nulls, upto, row.shared if row.shared > upto else upto)
+        else:
+            positions = range(p, upto)
+            run = row.ids[p:upto]
+            hs = digests[p:upto] if m == 1 else digests[(p + 1) * m - 1:upto * m:m]
+            if any(hash_of[b] is not None for b in run):  # shared blocks, cached already
+                keep = [i for i, b in enumerate(run) if hash_of[b] is None]
+                positions = [positions[i] for i in keep]  # type: ignore[assignment]
+                run, hs = [run[i] for i in keep], [hs[i] for i in keep]
+            pool.store_run(run, hs if tag is None else [h + tag for h in hs])
+            if sink is not None and run:
+                sink.rows.extend(_stored_rows(self.key, request_id, positions, run, hs, hashes,
+                                              m))
+                sink.codes.append("T" * len(run))
+        return remade(row, row[1], upto, row[3] if row[3] > upto else upto)
 
     def save_state(self, request_id: Any, row: Row, index: int, hashes: Any) -> None:
         """Copy the request's state into a free block cached under hash ``index`` (once)."""
