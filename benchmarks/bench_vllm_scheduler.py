@@ -29,8 +29,14 @@ prefix-cache hits.
 
 Targets: time in the manager <= 0.5x vLLM's, a whole step <= 1.0x.
 ``--profile`` adds a cProfile of kvfunc's manager calls (where its time
-goes).  Run ``python benchmarks/bench_vllm_scheduler.py [--quick] [--json
-PATH] [--config full|hybrid|all] [--profile]``.
+goes).  ``--gc`` adds the step as vLLM's engine runs it, with the garbage
+collector on: each lane alone in a process of its own (two processes per
+lane, alternating), the heap frozen once the scheduler is built (as vLLM's
+engine core does), the same warm-up, then the timed steps with every
+collection timed through ``gc.callbacks``; it reports the median step and
+the collections' time per step.  Run ``python
+benchmarks/bench_vllm_scheduler.py [--quick] [--json PATH] [--config
+full|hybrid|all] [--profile] [--gc]``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import platform
 import pstats
 import random
 import statistics
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -337,6 +344,67 @@ def bench(config: str, rounds: int, running: int, warmup: int, steps: int, scale
     return out
 
 
+def gc_lane(manager: str, config: str, running: int, warmup: int, steps: int,
+            scale: float) -> dict[str, Any]:
+    """One lane alone in this process with the garbage collector on (see ``--gc``)."""
+    windows = CONFIGS[config]
+    requests = workload(running * 4, scale=scale)
+    lane = Lane(manager, windows, pool_size(requests, running) * len(windows), requests,
+                running)
+    gc.enable()
+    gc.collect()
+    gc.freeze()  # as vLLM's engine core freezes its heap once the engine is built
+    for _ in range(warmup):
+        lane.step()
+    spent, counts, start = [0, 0, 0], [0, 0, 0], [0]
+
+    def timer(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            start[0] = perf_counter_ns()
+        else:
+            spent[info["generation"]] += perf_counter_ns() - start[0]
+            counts[info["generation"]] += 1
+
+    times = []
+    gc.callbacks.append(timer)
+    try:
+        for _ in range(steps):
+            t0 = perf_counter_ns()
+            lane.step()
+            times.append(perf_counter_ns() - t0)
+    finally:
+        gc.callbacks.remove(timer)
+    return {"step_us": statistics.median(times) / 1e3,
+            "mean_step_us": sum(times) / len(times) / 1e3,
+            "gc_us_per_step": [x / steps / 1e3 for x in spent], "collections": counts}
+
+
+def bench_gc(config: str, running: int, warmup: int, steps: int, scale: float
+             ) -> dict[str, Any]:
+    """Both lanes with the collector on, each alone in its processes (see ``--gc``)."""
+    runs: dict[str, list[dict[str, Any]]] = {"vllm": [], "kvfunc": []}
+    for name in ("vllm", "kvfunc", "kvfunc", "vllm"):
+        cmd = [sys.executable, __file__, "--gc-lane", name, "--config", config,
+               "--sizes", json.dumps([running, warmup, steps, scale])]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
+        runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    out = {n: {"step_us": statistics.median(r["step_us"] for r in rs),
+               "gc_us_per_step": statistics.median(sum(r["gc_us_per_step"]) for r in rs),
+               "collections": rs[0]["collections"], "runs": rs} for n, rs in runs.items()}
+    ratio = out["kvfunc"]["step_us"] / out["vllm"]["step_us"]
+    print(f"  with the garbage collector on (each lane alone, two processes each, "
+          f"{steps} timed steps):")
+    for name in ("vllm", "kvfunc"):
+        o = out[name]
+        print(f"    {name:7s} whole step {o['step_us']:9.1f} µs/step (median), of which "
+              f"collections {o['gc_us_per_step']:7.1f} µs/step (gen 0/1/2 collections in "
+              f"the first run: {'/'.join(map(str, o['collections']))})")
+    verdict = "PASS" if ratio <= TARGET_STEP else "FAIL"
+    print(f"    kvfunc / vLLM, step with the collector on: {ratio:.2f}x (target <= "
+          f"{TARGET_STEP}x: {verdict})")
+    return {"ratio_step": ratio, **out}
+
+
 def report(config: str, out: dict[str, Any]) -> None:
     """Print one configuration's figures."""
     med, ratio = out["us_per_step"], out["ratio"]
@@ -367,7 +435,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", choices=["full", "hybrid", "all"], default="all")
     parser.add_argument("--profile", action="store_true",
                         help="also profile kvfunc's manager calls (cProfile)")
+    parser.add_argument("--gc", action="store_true",
+                        help="also time each lane alone with the garbage collector on")
+    parser.add_argument("--gc-lane", choices=["vllm", "kvfunc"], help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.gc_lane:  # one lane of --gc, in a process of its own: its figures as JSON
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            running, warmup, steps, scale = json.loads(args.sizes)
+            print(json.dumps(gc_lane(args.gc_lane, args.config, running, warmup, steps,
+                                     scale)))
+        return 0
     why = vllm_available()
     print(f"kvfunc bench_vllm_scheduler{' --quick' if args.quick else ''}: Python "
           f"{platform.python_version()}, {os.cpu_count()} CPUs, load "
@@ -383,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore")
         results = {c: bench(c, rounds, running, warmup, steps, scale, args.profile)
                    for c in configs}
+        if args.gc:
+            for c in configs:
+                print(f"\n-- {c}:")
+                results[c]["gc_on"] = bench_gc(c, running, warmup, steps, scale)
     if args.json:
         Path(args.json).write_text(json.dumps({"quick": args.quick, "configs": results},
                                               indent=1))
