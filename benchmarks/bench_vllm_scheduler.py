@@ -441,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.gc_lane:  # one lane of --gc, in a process of its own: its figures as JSON
+        if args.config == "all" or not args.sizes:
+            parser.error("--gc-lane runs one lane of --gc: it needs one --config and --sizes")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             running, warmup, steps, scale = json.loads(args.sizes)

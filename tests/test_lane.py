@@ -155,19 +155,24 @@ def test_a_request_twice_in_one_batch_is_served_from_its_row_as_the_first_entry_
         assert got == want and state_snapshot(got) == state_snapshot(want)
 
 
-def test_growing_past_a_fully_cached_table_caches_the_block_it_completes() -> None:
+def test_growing_past_a_fully_cached_table_caches_the_block_it_completes(monkeypatch: Any
+                                                                         ) -> None:
     """Every held block is cached (the row's fill limit is unbounded), and the step both takes
-    a block and fills it: the lane's lean step caches the new block, exactly as the step does
-    without the lane."""
+    a block and fills it: the lane's lean step caches the new block, never reaching the
+    general step, exactly as the step does without the lane."""
     state = kf.KVState.create({"full": kf.FullAttention(num_blocks=16, block_size=4)}, 64,
                               enable_prefix_caching=True)
     h = kf.BlockHashes.of(list(range(12)), 4)
     state = kf.allocate_slots(state, "r", 0, 8, block_hashes=h).state  # two blocks, both cached
+    stepped: list[Any] = []
+    real = fold_module.step
+    monkeypatch.setattr(fold_module, "step", lambda *a: stepped.append(a[1]) or real(*a))
     results = []
     for on in (True, False):
         with lane(on):
             results.append(kf.allocate_slots(state, "r", 8, 4, block_hashes=h))
     fast, slow = results
+    assert stepped == ["r"]  # the call without the lane only
     assert fast.delta == slow.delta and fast.state == slow.state
     assert [op.block_id for op in fast.delta.operations() if type(op).__name__ == "Stored"] == [3]
 

@@ -229,9 +229,9 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                 slides = computed >= row[6]  # the window's next block leaves it
                 if slides and computed >= row[6] + view.traits[0]:
                     break  # more than one block slides out
-                if not (slides or total > row[5] or (  # past the blocks it holds, or
-                        hashes is not None and written >= row[7] <= hashes.num_tokens)):
-                    continue  # a held block completes for the cache; else quiet here
+                if not (slides or total > row[5]
+                        or (hashes is not None and written >= row[7] <= hashes.num_tokens)):
+                    continue  # quiet here: nothing slides, grows or completes for the cache
                 work = [(view, row, slides)] if work is None else [*work, (view, row, slides)]
             else:
                 if work is not None and not lean_step(tr, rid, work, computed, written, total,

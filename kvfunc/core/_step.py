@@ -40,8 +40,8 @@ from kvfunc.core._pool import cache_key
 from kvfunc.core._rows import Row, leading_nulls, recycled_free
 from kvfunc.core._transient import Transient
 
-__all__ = ["Plan", "apply_plans", "completes", "has_room", "lean_step", "plan_group",
-           "recycle_first", "step"]
+__all__ = ["Plan", "apply_plans", "bind_rows", "completes", "has_room", "lean_step",
+           "plan_group", "recycle_first", "step"]
 
 _new = tuple.__new__
 
@@ -291,23 +291,30 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
     if not has_room(tr, plans, 0):
         return False
     rows = recycle_first(tr, request_id, plans)
-    stores = False
-    for k, p in enumerate(plans):
-        g, row = tr.copy(p[0]), rows[k]
-        if p[9]:  # a block completes: cached below, after every group grew (the step's order)
-            stores = True
-            if p[6]:
-                rows[k] = g.grow(request_id, row, p[6])
+    caching = []  # cached by :func:`bind_rows` once every group grew (the step's order)
+    for p, row in zip(plans, rows, strict=True):
+        g = tr.copy(p[0])
+        if p[9]:
+            caching.append((p, g.grow(request_id, row, p[6]) if p[6] else row))
         elif p[6]:
             g.extend(request_id, row, p[6])
         else:
             g.put(request_id, row)
-    if stores:
-        for k, p in enumerate(plans):
-            if p[9]:
-                g = tr.copy(p[0])
-                g.put(request_id, cache_step(g, request_id, rows[k], computed, written, hashes))
+    if caching:
+        bind_rows(tr, request_id, caching, computed, written, hashes)
     return True
+
+
+def bind_rows(tr: Transient, request_id: Any, done: Any, computed: int, written: int,
+              hashes: Any) -> None:
+    """The step's last phase: each ``(plan, row)`` caches what it completed, then binds.
+
+    :func:`step` ends here for every plan, :func:`lean_step` for those that cache.
+    """
+    for p, row in done:
+        g = tr.copy(p[0])
+        g.put(request_id, cache_step(g, request_id, row, computed, written, hashes) if p[9]
+              else row)
 
 
 def step(tr: Transient, request_id: Any, computed: int, written: int, total: int,
@@ -347,13 +354,8 @@ def step(tr: Transient, request_id: Any, computed: int, written: int, total: int
     if reserved:  # idle plans were there for their reservation only
         plans = [p for p in plans if p.row is None or p.upto > p.row.nulls or p.nulls
                  or p.need or p.cow or p.store]
-    rows = apply_plans(tr, request_id, plans)
-    for p, row in zip(plans, rows, strict=True):
-        g = tr.copies[p.group]  # type: ignore[index]
-        assert g is not None
-        if p.store:
-            row = cache_step(g, request_id, row, computed, written, hashes)
-        g.put(request_id, row)
+    bind_rows(tr, request_id, zip(plans, apply_plans(tr, request_id, plans), strict=True),
+              computed, written, hashes)
     if hit is not None and tr.sink is not None:
         tr.sink.rows.append((request_id, hit.num_tokens, hit.query_tokens))
         tr.sink.codes.append("H")
