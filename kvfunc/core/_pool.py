@@ -45,6 +45,7 @@ from pyrsistent import PVector, pvector
 
 from kvfunc.core._delta import DeltaBuilder
 from kvfunc.core._queue import Linked, Ring
+from kvfunc.core._untracked import atomic, evolver, persist
 
 __all__ = ["EMPTY_MAP", "PoolCopy", "PoolState", "cache_key"]
 
@@ -98,9 +99,9 @@ class PoolState(NamedTuple):
         if not linked:
             return cls(name, members, num_blocks, Ring.of(ids, num_blocks - 1), None, None,
                        EMPTY_MAP, 0, EMPTY_MAP)
-        refs: PVector[int] = pvector([0] * num_blocks)
+        refs: PVector[int] = atomic(pvector([0] * num_blocks))
         none: list[bytes | None] = [None] * num_blocks
-        hash_of = pvector(none) if caching else None
+        hash_of = atomic(pvector(none)) if caching else None
         return cls(name, members, num_blocks, Linked.of(ids, num_blocks), refs, hash_of,
                    EMPTY_MAP, 0, EMPTY_MAP)
 
@@ -200,9 +201,9 @@ class PoolCopy:
         if self.writable:
             return
         if self.linked:
-            self.refs = self.refs.evolver()
+            self.refs = evolver(self.refs)
             if self.caching:
-                self.hash_of = self.hash_of.evolver()
+                self.hash_of = evolver(self.hash_of)
                 self.by_key = self.by_key.mutate()
         self.writable = True
 
@@ -368,7 +369,7 @@ class PoolCopy:
         """Forget every cached key (held blocks stay held); how many blocks were cached."""
         if not self.writable:
             self.writing()
-        self.hash_of = pvector([None] * self.num_blocks).evolver()
+        self.hash_of = evolver(atomic(pvector([None] * self.num_blocks)))
         n, self.num_cached = self.num_cached, 0
         self.by_key = EMPTY_MAP.mutate()
         if self.queue.levels:  # nothing waits at a priority now: vLLM's queue, in its order
@@ -384,9 +385,9 @@ class PoolCopy:
             return src
         refs, hash_of, index = self.refs, self.hash_of, self.by_key
         if self.writable and self.linked:
-            refs = refs.persistent()
+            refs = persist(refs)  # see ``atomic``: the collector skips them
             if self.caching:
-                hash_of, index = hash_of.persistent(), index.finish()
+                hash_of, index = persist(hash_of), index.finish()
         new = self.src = _new(PoolState, (src.name, src.members, src.num_blocks, queue, refs,
                                           hash_of, index, self.num_cached, self.detached))
         self.refs, self.hash_of, self.by_key = refs, hash_of, index

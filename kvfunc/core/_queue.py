@@ -41,11 +41,11 @@ from typing import Any
 
 from pyrsistent import PVector, pvector
 
+from kvfunc.core._untracked import atomic, evolver, persist
+
 __all__ = ["CHUNK", "Linked", "LinkedCopy", "Ring", "RingCopy"]
 
 CHUNK = 64
-
-
 
 class Ring:
     """The seed's FIFO as a value: ``chunks`` of ids, the ``head`` position, ``count`` ids."""
@@ -186,7 +186,7 @@ class Linked:
             prev[b], nxt[last] = last, b
             last = b
         nxt[last], prev[s] = s, last
-        return cls(pvector(prev), pvector(nxt), len(ids))
+        return cls(atomic(pvector(prev)), atomic(pvector(nxt)), len(ids))
 
     def ids(self) -> Iterator[int]:
         """The ids front to back (O(count); markers skipped)."""
@@ -224,7 +224,7 @@ class LinkedCopy:
         self.writable = False
 
     def _write(self) -> None:
-        self.prev, self.next, self.writable = self.prev.evolver(), self.next.evolver(), True
+        self.prev, self.next, self.writable = evolver(self.prev), evolver(self.next), True
 
     def pop(self, n: int) -> list[int]:
         """The ``n`` blocks at the front (the caller checked ``n <= count``)."""
@@ -318,8 +318,7 @@ class LinkedCopy:
     def frozen(self) -> Linked:
         """The queue as a value."""
         if self.writable:
-            self.src = Linked(self.prev.persistent(), self.next.persistent(), self.count,
-                              self.levels)
+            self.src = Linked(persist(self.prev), persist(self.next), self.count, self.levels)
             self.prev, self.next, self.writable = self.src.prev, self.src.next, False
         return self.src
 

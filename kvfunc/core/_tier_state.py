@@ -16,6 +16,7 @@ from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSuppo
 from kvfunc.core._policy import KEEPS_ALL, skip_mode
 from kvfunc.core._state import KVState, RequestId, check_state
 from kvfunc.core._tier_index import TierIndex
+from kvfunc.core._untracked import atomic
 
 __all__ = [
     "DEVICE_TO_HOST",
@@ -89,7 +90,7 @@ class HostTier:
     @classmethod
     def create(cls, num_blocks: int) -> HostTier:
         """An empty host tier of ``num_blocks`` blocks (block 0 is handed out first)."""
-        free: PVector[int] = pvector(range(num_blocks - 1, -1, -1))
+        free: PVector[int] = atomic(pvector(range(num_blocks - 1, -1, -1)))
         return cls(num_blocks, TierIndex.create(), free, num_blocks, immutables.Map())
 
 

@@ -26,6 +26,7 @@ from kvfunc.core._tier_state import (
     TieredState,
     TierMove,
 )
+from kvfunc.core._untracked import atomic
 
 __all__ = ["TierWork"]
 
@@ -194,7 +195,7 @@ class TierWork:
     def _give(self, block: int) -> None:
         """Host block ``block`` is free again (on top of the stack)."""
         n, free = self.h_num_free, self.h_free
-        self.h_free = free.set(n, block) if n < len(free) else free.append(block)
+        self.h_free = atomic(free.set(n, block) if n < len(free) else free.append(block))
         self.h_num_free = n + 1
 
     @staticmethod
