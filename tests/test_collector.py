@@ -21,15 +21,16 @@ pytestmark = pytest.mark.skipif(_untracked._untrack is None, reason="pyrsistent 
 
 
 @pytest.fixture(autouse=True)
-def collector_off() -> Iterator[None]:
-    """No collection but the test's own (``gc.collect`` still runs)."""
-    enabled = gc.isenabled()
-    gc.disable()
+def no_collection() -> Iterator[None]:
+    """The collector on, but no collection other than the test's own ``gc.collect()``."""
+    enabled, thresholds = gc.isenabled(), gc.get_threshold()
+    gc.enable()
+    gc.set_threshold(1 << 30)
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        gc.set_threshold(*thresholds)
+        (gc.enable if enabled else gc.disable)()
 
 
 def _vectors(state: kf.KVState) -> list[object]:
@@ -85,3 +86,14 @@ def test_the_notes_stay_short_and_hold_nothing_dead_when_nothing_collects() -> N
     assert len(_untracked._open) <= _untracked._FRESH_MAX + 1
     assert not any(gc.is_tracked(v) for v in kept)  # the live ones were untracked
     assert not any(v is f for v in kept for f in _untracked._fresh)
+
+
+def test_nothing_is_noted_while_the_collector_is_off() -> None:
+    gc.collect()
+    gc.disable()
+    vector = atomic(pvector([0] * 10))
+    ev = evolver(vector)
+    ev[1] = 1
+    done = persist(ev)
+    assert not _untracked._fresh and not _untracked._open
+    assert gc.is_tracked(done) and list(done) == [0, 1] + [0] * 8

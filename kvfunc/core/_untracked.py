@@ -19,7 +19,10 @@ extension's vector, whose memory its reference count still frees:
   untracks every noted vector, and the working copy of every open evolver
   (two young collections in three land inside a transition);
 * the notes are kept short (:data:`_FRESH_MAX`): past it, those nobody else
-  holds are dropped and the others untracked at once.
+  holds are dropped and the others untracked at once;
+* while the collector is off, nothing is noted: nothing walks a vector
+  then, and a state kept until it is on again has its vectors walked only
+  in the (rare) full collections once they are old.
 
 Only ``PyObject_GC_UnTrack`` is called on vectors that exist; the C
 extension tracks a vector only when it makes it, and its deallocation
@@ -48,20 +51,22 @@ if _C_VECTOR.__module__ == "pvectorc":  # the C extension's vector; nothing to d
 _fresh: list[Any] = []  # vectors made since the collector last ran
 _open: dict[int, Any] = {}  # id -> evolver, from ``evolver`` until ``persist``
 _FRESH_MAX = 32
+_enabled = gc.isenabled
 
 
 def atomic(vector: _V) -> _V:
     """``vector`` (a persistent vector of ints, None and bytes only), kept from the collector.
 
     The vector is noted and untracked just before the collector next runs
-    (see the module docstring), so a transition pays an append.
+    (see the module docstring), so a transition pays an append; while the
+    collector is off, nothing is done (nothing walks the vector then).
 
     >>> v = atomic(pvector([0, 1, None, b"k"]))
     >>> _ = gc.collect()
     >>> gc.is_tracked(v) == (_untrack is None), list(v)
     (True, [0, 1, None, b'k'])
     """
-    if _untrack is not None and type(vector) is _C_VECTOR:
+    if _untrack is not None and type(vector) is _C_VECTOR and _enabled():
         _fresh.append(vector)
         if len(_fresh) > _FRESH_MAX:  # keep the list short: it holds old versions
             _settle("start", {})
@@ -74,7 +79,8 @@ def evolver(vector: Any) -> Any:
     The working copy an evolver makes on its first write is a new vector as
     large as the original, alive for the rest of the transition, where most
     young collections land (a transition allocates); while the evolver is
-    open (until :func:`persist`), a collection untracks it first.
+    open (until :func:`persist`), a collection untracks it first.  While the
+    collector is off, this is ``vector.evolver()``.
 
     >>> ev = evolver(pvector([0, 0, 0]))
     >>> ev[1] = 5
@@ -82,7 +88,7 @@ def evolver(vector: Any) -> Any:
     [0, 5, 0]
     """
     ev = vector.evolver()
-    if _untrack is not None and type(vector) is _C_VECTOR:
+    if _untrack is not None and type(vector) is _C_VECTOR and _enabled():
         _open[id(ev)] = ev
         if len(_open) > _FRESH_MAX:  # evolvers given up on (refusals) are dropped
             _settle("start", {})
@@ -95,8 +101,14 @@ def persist(ev: Any) -> Any:
     >>> list(persist(evolver(pvector([1, 2]))))
     [1, 2]
     """
-    _open.pop(id(ev), None)
-    return atomic(ev.persistent())
+    if _open:
+        _open.pop(id(ev), None)
+    vector = ev.persistent()
+    if _untrack is not None and _enabled():  # ``atomic``, inlined: two calls a transition
+        _fresh.append(vector)
+        if len(_fresh) > _FRESH_MAX:
+            _settle("start", {})
+    return vector
 
 
 def _settle(phase: str, info: dict[str, Any]) -> None:
