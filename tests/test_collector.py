@@ -26,6 +26,7 @@ def no_collection() -> Iterator[None]:
     enabled, thresholds = gc.isenabled(), gc.get_threshold()
     gc.enable()
     gc.set_threshold(1 << 30)
+    gc.collect()  # what earlier tests left open is settled
     try:
         yield
     finally:
@@ -40,6 +41,14 @@ def _vectors(state: kf.KVState) -> list[object]:
     return out
 
 
+def _program(state: kf.KVState) -> kf.KVState:
+    """Admit, free (caching) and admit again with a hit: every per-block vector changes."""
+    hashes = kf.BlockHashes.of(list(range(40)), 4)
+    state = kf.allocate_slots(state, "a", 0, 40, block_hashes=hashes).state
+    state = kf.free_request(state, "a")[0]
+    return kf.allocate_slots(state, "b", 0, 40, block_hashes=hashes).state
+
+
 def _caching_state() -> kf.KVState:
     return kf.KVState.create({"full": kf.FullAttention(num_blocks=64, block_size=4),
                               "swa": kf.SlidingWindow(num_blocks=64, block_size=4,
@@ -47,22 +56,21 @@ def _caching_state() -> kf.KVState:
                              256, enable_prefix_caching=True, layout="shared")
 
 
-def test_a_states_per_block_vectors_are_untracked_once_the_collector_runs() -> None:
-    state = _caching_state()
-    hashes = kf.BlockHashes.of(list(range(40)), 4)
-    state = kf.allocate_slots(state, "a", 0, 40, block_hashes=hashes).state
-    state = kf.free_request(state, "a")[0]
-    hit = kf.allocate_slots(state, "b", 0, 40, block_hashes=hashes).state
-    before = [list(v) for v in _vectors(hit)]  # type: ignore[call-overload]
-    assert any(gc.is_tracked(v) for v in _vectors(hit))  # new versions wait for a collection
-    gc.collect()
-    assert not any(gc.is_tracked(v) for v in _vectors(hit))
-    assert [list(v) for v in _vectors(hit)] == before  # type: ignore[call-overload]
-    kf.check_invariants(hit)
+def test_a_states_per_block_vectors_are_untracked_and_unchanged() -> None:
+    gc.disable()  # made with the collector off: nothing is done, the vectors stay tracked
+    off = _program(_caching_state())
+    gc.enable()
+    on = _program(_caching_state())
+    assert all(gc.is_tracked(v) for v in _vectors(off))
+    assert not any(gc.is_tracked(v) for v in _vectors(on))
+    assert on == off and [list(v) for v in _vectors(on)] == [  # type: ignore[call-overload]
+        list(v) for v in _vectors(off)]  # type: ignore[call-overload]
+    kf.check_invariants(on)
 
 
 def test_an_open_evolvers_working_copy_is_untracked_before_a_collection() -> None:
     vector = atomic(pvector([0] * 100))
+    assert not gc.is_tracked(vector)
     ev = evolver(vector)
     ev[3] = 7  # the working copy is made
     copies = [p for p in gc.get_referents(ev) if p is not vector and type(p) is type(vector)]
@@ -72,28 +80,29 @@ def test_an_open_evolvers_working_copy_is_untracked_before_a_collection() -> Non
     ev[4] = 8  # the evolver goes on as before
     done = persist(ev)
     assert (done[3], done[4], vector[3], vector[4]) == (7, 8, 0, 0)
-    assert id(ev) not in _untracked._open
+    assert id(ev) not in _untracked._open and not gc.is_tracked(done)
 
 
-def test_the_notes_stay_short_and_hold_nothing_dead_when_nothing_collects() -> None:
-    gc.collect()
-    kept = [atomic(pvector([i])) for i in range(3)]
-    for i in range(3 * _untracked._FRESH_MAX):
-        atomic(pvector([i]))  # dropped at once by its caller
+def test_evolvers_given_up_on_are_not_held() -> None:
+    before = len(_untracked._open)  # evolvers other live code holds open, if any
+    kept = evolver(pvector([1]))
+    for i in range(3 * _untracked._OPEN_MAX):
         dropped = evolver(pvector([i]))
-        del dropped  # an evolver its transition gave up
-    assert len(_untracked._fresh) <= _untracked._FRESH_MAX + 1
-    assert len(_untracked._open) <= _untracked._FRESH_MAX + 1
-    assert not any(gc.is_tracked(v) for v in kept)  # the live ones were untracked
-    assert not any(v is f for v in kept for f in _untracked._fresh)
-
-
-def test_nothing_is_noted_while_the_collector_is_off() -> None:
+        del dropped  # a transition that gave up
+        assert len(_untracked._open) <= _untracked._OPEN_MAX + 1
     gc.collect()
+    assert kept in _untracked._open.values() and len(_untracked._open) <= before + 1
+    gc.disable()
+    del kept
+    evolver(pvector([0]))  # the collector is off: nothing is held for it
+    assert len(_untracked._open) <= before
+
+
+def test_nothing_is_done_while_the_collector_is_off() -> None:
     gc.disable()
     vector = atomic(pvector([0] * 10))
     ev = evolver(vector)
+    assert id(ev) not in _untracked._open
     ev[1] = 1
     done = persist(ev)
-    assert not _untracked._fresh and not _untracked._open
-    assert gc.is_tracked(done) and list(done) == [0, 1] + [0] * 8
+    assert gc.is_tracked(vector) and gc.is_tracked(done) and list(done) == [0, 1] + [0] * 8
