@@ -45,7 +45,7 @@ from pyrsistent import PVector, pvector
 
 from kvfunc.core._delta import DeltaBuilder
 from kvfunc.core._queue import Linked, Ring
-from kvfunc.core._untracked import atomic, evolver, persist
+from kvfunc.core._untracked import atomic, forget, open_evolvers, untrack, watch, watching
 
 __all__ = ["EMPTY_MAP", "PoolCopy", "PoolState", "cache_key"]
 
@@ -99,17 +99,14 @@ class PoolState(NamedTuple):
         if not linked:
             return cls(name, members, num_blocks, Ring.of(ids, num_blocks - 1), None, None,
                        EMPTY_MAP, 0, EMPTY_MAP)
-        refs: PVector[int] = atomic(pvector([0] * num_blocks))
-        none: list[bytes | None] = [None] * num_blocks
-        hash_of = atomic(pvector(none)) if caching else None
-        return cls(name, members, num_blocks, Linked.of(ids, num_blocks), refs, hash_of,
-                   EMPTY_MAP, 0, EMPTY_MAP)
+        hash_of: Any = atomic(pvector([None] * num_blocks)) if caching else None
+        return cls(name, members, num_blocks, Linked.of(ids, num_blocks),
+                   atomic(pvector([0] * num_blocks)), hash_of, EMPTY_MAP, 0, EMPTY_MAP)
 
     @property
     def num_free(self) -> int:
         """Free blocks (cached ones waiting in the queue included)."""
-        count: int = self.queue.count
-        return count
+        return self.queue.count  # type: ignore[no-any-return]
 
     @property
     def linked(self) -> bool:
@@ -193,18 +190,19 @@ class PoolCopy:
     @property
     def count(self) -> int:
         """Free blocks now."""
-        count: int = self.queue.count
-        return count
+        return self.queue.count  # type: ignore[no-any-return]
 
     def writing(self) -> None:
         """Turn the per-block vectors into evolvers (once per transition)."""
         if self.writable:
             return
         if self.linked:
-            self.refs = evolver(self.refs)
+            self.refs = self.refs.evolver()
             if self.caching:
-                self.hash_of = evolver(self.hash_of)
+                self.hash_of = self.hash_of.evolver()
                 self.by_key = self.by_key.mutate()
+            if watching():  # see ``kvfunc.core._untracked``: the collector skips them
+                watch(self.refs, self.hash_of)
         self.writable = True
 
     # -- the free queue ---------------------------------------------------------------
@@ -369,7 +367,8 @@ class PoolCopy:
         """Forget every cached key (held blocks stay held); how many blocks were cached."""
         if not self.writable:
             self.writing()
-        self.hash_of = evolver(atomic(pvector([None] * self.num_blocks)))
+        self.hash_of = atomic(pvector([None] * self.num_blocks)).evolver()
+        watch(self.hash_of)
         n, self.num_cached = self.num_cached, 0
         self.by_key = EMPTY_MAP.mutate()
         if self.queue.levels:  # nothing waits at a priority now: vLLM's queue, in its order
@@ -385,13 +384,16 @@ class PoolCopy:
             return src
         refs, hash_of, index = self.refs, self.hash_of, self.by_key
         if self.writable and self.linked:
-            refs = persist(refs)  # see ``atomic``: the collector skips them
+            if open_evolvers:
+                forget(refs, hash_of)
+            refs = refs.persistent()
             if self.caching:
-                hash_of, index = persist(hash_of), index.finish()
+                hash_of, index = hash_of.persistent(), index.finish()
+            if watching():
+                untrack(refs, hash_of)
         new = self.src = _new(PoolState, (src.name, src.members, src.num_blocks, queue, refs,
                                           hash_of, index, self.num_cached, self.detached))
-        self.refs, self.hash_of, self.by_key = refs, hash_of, index
-        self.writable = False  # the queue's working copy goes on from its frozen value
+        self.refs, self.hash_of, self.by_key, self.writable = refs, hash_of, index, False
         return new
 
 

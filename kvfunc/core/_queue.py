@@ -41,7 +41,7 @@ from typing import Any
 
 from pyrsistent import PVector, pvector
 
-from kvfunc.core._untracked import atomic, evolver, persist
+from kvfunc.core._untracked import atomic, forget, open_evolvers, untrack, watch, watching
 
 __all__ = ["CHUNK", "Linked", "LinkedCopy", "Ring", "RingCopy"]
 
@@ -224,7 +224,9 @@ class LinkedCopy:
         self.writable = False
 
     def _write(self) -> None:
-        self.prev, self.next, self.writable = evolver(self.prev), evolver(self.next), True
+        self.prev, self.next, self.writable = self.prev.evolver(), self.next.evolver(), True
+        if watching():  # see ``kvfunc.core._untracked``: the collector skips them
+            watch(self.prev, self.next)
 
     def pop(self, n: int) -> list[int]:
         """The ``n`` blocks at the front (the caller checked ``n <= count``)."""
@@ -318,7 +320,12 @@ class LinkedCopy:
     def frozen(self) -> Linked:
         """The queue as a value."""
         if self.writable:
-            self.src = Linked(persist(self.prev), persist(self.next), self.count, self.levels)
+            if open_evolvers:
+                forget(self.prev, self.next)
+            self.src = Linked(self.prev.persistent(), self.next.persistent(), self.count,
+                              self.levels)
+            if watching():
+                untrack(self.src.prev, self.src.next)
             self.prev, self.next, self.writable = self.src.prev, self.src.next, False
         return self.src
 

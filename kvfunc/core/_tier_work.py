@@ -64,8 +64,8 @@ class TierWork:
         src = self.src.host
         if src is None:
             return None
-        return HostTier(src.num_blocks, self.h_index, self.h_free, self.h_num_free,
-                        self.h_pending)
+        free = self.h_free if self.h_free is src.free else atomic(self.h_free)  # once, here
+        return HostTier(src.num_blocks, self.h_index, free, self.h_num_free, self.h_pending)
 
     @property
     def remote(self) -> RemoteTier | None:
@@ -195,7 +195,7 @@ class TierWork:
     def _give(self, block: int) -> None:
         """Host block ``block`` is free again (on top of the stack)."""
         n, free = self.h_num_free, self.h_free
-        self.h_free = atomic(free.set(n, block) if n < len(free) else free.append(block))
+        self.h_free = free.set(n, block) if n < len(free) else free.append(block)
         self.h_num_free = n + 1
 
     @staticmethod

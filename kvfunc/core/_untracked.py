@@ -12,17 +12,23 @@ reference cycle, so the collector has nothing to find there; CPython itself
 stops tracking such tuples and dicts.  This module does the same for the C
 extension's vector, whose memory its reference count still frees:
 
-* :func:`atomic` and :func:`persist` untrack a new vector at once (one
-  ``PyObject_GC_UnTrack`` call, about 0.6 us);
+* :func:`atomic` and :func:`untrack` untrack vectors (one
+  ``PyObject_GC_UnTrack`` call each, about 0.6 us);
 * an evolver's working copy (made on its first write, as large as the
-  vector) lives until :func:`persist`, and two young collections in three
-  land inside a transition: :func:`evolver` keeps the open evolvers, and
-  just before the collector runs, :func:`_settle` (in ``gc.callbacks``)
-  untracks their working copies; evolvers a transition gave up on (a
-  refusal) are dropped from that list past :data:`_OPEN_MAX` of them;
+  vector) lives until ``persistent()``, and two young collections in three
+  land inside a transition: :func:`watch` keeps the open evolvers (and
+  :func:`forget` lets them go), and just before the collector runs,
+  :func:`_settle` (in ``gc.callbacks``) untracks their working copies;
+  evolvers a transition gave up on (a refusal) are dropped from that list
+  past :data:`_OPEN_MAX` of them;
 * while the collector is off, nothing is done: nothing walks a vector then,
   and a state kept until it is on again has its vectors walked only in the
   (rare) full collections once they are old.
+
+The pool and the queue call these only when :data:`watching` says the
+collector is on (a C call), and :func:`forget` only when
+:data:`open_evolvers` holds any, so that with the collector off a
+transition makes no call of this module at all.
 
 Only ``PyObject_GC_UnTrack`` is called, on vectors that exist: the C
 extension tracks a vector only when it makes it, and its deallocation
@@ -40,7 +46,7 @@ from typing import Any, TypeVar
 
 from pyrsistent import pvector
 
-__all__ = ["atomic", "evolver", "persist"]
+__all__ = ["atomic", "forget", "open_evolvers", "untrack", "watch", "watching"]
 
 _V = TypeVar("_V")
 _C_VECTOR: type = type(pvector())
@@ -48,9 +54,11 @@ _untrack: Any = None
 if _C_VECTOR.__module__ == "pvectorc":  # the C extension's vector; nothing to do otherwise
     _untrack = ctypes.pythonapi.PyObject_GC_UnTrack
     _untrack.argtypes, _untrack.restype = (ctypes.py_object,), None
-_open: dict[int, Any] = {}  # id -> evolver, from ``evolver`` until ``persist``
+open_evolvers: dict[int, Any] = {}  # id -> evolver, from ``watch`` until ``forget``
 _OPEN_MAX = 32
 _enabled = gc.isenabled
+#: Whether new vectors and evolvers need this module (the collector is on, with pvectorc).
+watching: Any = _enabled if _untrack is not None else bool
 
 
 def atomic(vector: _V) -> _V:
@@ -67,41 +75,44 @@ def atomic(vector: _V) -> _V:
     return vector
 
 
-def evolver(vector: Any) -> Any:
-    """``vector.evolver()`` for a vector of atoms, its working copy kept from the collector.
+def watch(*evolvers: Any) -> None:
+    """Keep ``evolvers`` (None skipped) open: a collection untracks their working copies first.
 
-    While the evolver is open (until :func:`persist`), a collection untracks
-    its working copy first (see the module docstring).  While the collector
-    is off, this is ``vector.evolver()``.
+    Nothing is kept unless :data:`watching` (hot paths ask first, saving the call); a
+    transition's evolvers are :func:`forget`-ten before ``persistent()``.
 
-    >>> ev = evolver(pvector([0, 0, 0]))
+    >>> ev = pvector([0, 0, 0]).evolver()
+    >>> watch(ev, None)
     >>> ev[1] = 5
-    >>> list(persist(ev))
-    [0, 5, 0]
+    >>> forget(ev, None)
+    >>> list(untrack(ev.persistent())[0]), id(ev) in open_evolvers
+    ([0, 5, 0], False)
     """
-    ev = vector.evolver()
-    if _untrack is not None and type(vector) is _C_VECTOR:
-        if _enabled():
-            _open[id(ev)] = ev
-            if len(_open) > _OPEN_MAX:
-                _prune()
-        elif _open:  # the collector went off: hold nothing for it
+    if not watching():
+        if open_evolvers:  # the collector went off: hold nothing for it
             _prune()
-    return ev
+        return
+    for ev in evolvers:
+        if ev is not None:
+            open_evolvers[id(ev)] = ev
+    if len(open_evolvers) > _OPEN_MAX:
+        _prune()
 
 
-def persist(ev: Any) -> Any:
-    """``ev.persistent()`` for an evolver from :func:`evolver`, as an :func:`atomic` vector.
+def forget(*evolvers: Any) -> None:
+    """Let ``evolvers`` go (before their ``persistent()``: :func:`_settle` never reads one
+    halfway through it)."""
+    for ev in evolvers:
+        open_evolvers.pop(id(ev), None)
 
-    >>> list(persist(evolver(pvector([1, 2]))))
-    [1, 2]
-    """
-    if _open:  # before ``persistent()``: ``_settle`` never reads an evolver halfway through it
-        _open.pop(id(ev), None)
-    vector = ev.persistent()
-    if _untrack is not None and _enabled():
-        _untrack(vector)
-    return vector
+
+def untrack(*vectors: Any) -> tuple[Any, ...]:
+    """``vectors`` (None skipped), untracked like :func:`atomic`'s; returned as given."""
+    if _untrack is not None:
+        for vector in vectors:
+            if type(vector) is _C_VECTOR:
+                _untrack(vector)
+    return vectors
 
 
 def _holders(table: dict[int, Any], key: int) -> int:
@@ -117,17 +128,17 @@ _ALONE = _holders({0: object()}, 0)
 
 def _prune() -> None:
     """Forget the open evolvers nobody else holds (their transitions gave up on them)."""
-    for key in list(_open):
-        if _holders(_open, key) <= _ALONE:
-            _open.pop(key, None)
+    for key in list(open_evolvers):
+        if _holders(open_evolvers, key) <= _ALONE:
+            open_evolvers.pop(key, None)
 
 
 def _settle(phase: str, info: dict[str, Any]) -> None:
-    """A collector callback: untrack the working copies of the open evolvers (see ``evolver``)."""
-    if phase != "start" or not _open:
+    """A collector callback: untrack the working copies of the open evolvers (see ``watch``)."""
+    if phase != "start" or not open_evolvers:
         return
     _prune()
-    for ev in list(_open.values()):
+    for ev in list(open_evolvers.values()):
         for part in gc.get_referents(ev):
             if type(part) is _C_VECTOR:
                 _untrack(part)
