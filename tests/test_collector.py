@@ -1,8 +1,10 @@
-"""The pool's per-block vectors and the garbage collector (``kvfunc.core._untracked``).
+"""Big per-block containers and the garbage collector.
 
-The vectors hold only ints, None and bytes, so no reference cycle can run
-through them; the collector must not walk them, neither a state's nor a
-transition's working copy, and their values must not change for it.
+A pool's arrays are plain lists in a store its lineage shares
+(``kvfunc.core._lineage``): a transition writes them in place, so it makes
+no new big container for a young collection to walk.  The host tier's free
+stack is a persistent vector of ints that ``kvfunc.core._untracked`` keeps
+from the collector.
 """
 
 from __future__ import annotations
@@ -16,10 +18,7 @@ from pyrsistent import pvector
 
 import kvfunc as kf
 from kvfunc.core import _untracked
-from kvfunc.core._pool import PoolCopy
-from kvfunc.core._untracked import atomic, forget, untrack, watch, watching
-
-pytestmark = pytest.mark.skipif(_untracked._untrack is None, reason="pyrsistent without pvectorc")
+from kvfunc.core._untracked import atomic
 
 
 @pytest.fixture(autouse=True)
@@ -34,30 +33,6 @@ def no_collection() -> Iterator[None]:
     finally:
         gc.set_threshold(*thresholds)
         (gc.enable if enabled else gc.disable)()
-
-
-def evolver(vector: Any) -> Any:
-    """An evolver opened as the pool opens its own (``PoolCopy.writing``)."""
-    ev = vector.evolver()
-    if watching():
-        watch(ev)
-    return ev
-
-
-def persist(ev: Any) -> Any:
-    """An evolver's vector, made as the pool makes its own (``PoolCopy.freeze``)."""
-    forget(ev)
-    vector = ev.persistent()
-    if watching():
-        untrack(vector)
-    return vector
-
-
-def _vectors(state: kf.KVState) -> list[object]:
-    out: list[object] = []
-    for pool in state.pools:
-        out += [pool.refs, pool.hash_of, pool.queue.prev, pool.queue.next]
-    return out
 
 
 def _program(state: kf.KVState) -> kf.KVState:
@@ -75,28 +50,30 @@ def _caching_state() -> kf.KVState:
                              256, enable_prefix_caching=True, layout="shared")
 
 
-def test_a_states_per_block_vectors_are_untracked_and_unchanged() -> None:
-    gc.disable()  # made with the collector off: nothing is done, the vectors stay tracked
-    off = _program(_caching_state())
-    gc.enable()
-    on = _program(_caching_state())
-    assert all(gc.is_tracked(v) for v in _vectors(off))
-    assert not any(gc.is_tracked(v) for v in _vectors(on))
-    assert on == off and [list(v) for v in _vectors(on)] == [  # type: ignore[call-overload]
-        list(v) for v in _vectors(off)]  # type: ignore[call-overload]
-    kf.check_invariants(on)
+def _store(state: kf.KVState) -> Any:
+    ver = state.pools[0].ver
+    assert ver is not None and ver.store is not None, "not the head of its lineage"
+    return ver.store
 
 
-def test_a_pool_copys_evolvers_are_open_from_its_first_write_to_its_freeze() -> None:
-    copy = PoolCopy(_caching_state().pools[0], None)
-    copy.take(2)  # the first write: every per-block vector becomes an evolver
-    evolvers = [copy.refs, copy.hash_of, copy.queue.prev, copy.queue.next]
-    assert all(id(ev) in _untracked.open_evolvers for ev in evolvers)
-    pool = copy.freeze()
-    assert not any(id(ev) in _untracked.open_evolvers for ev in evolvers)
-    assert not any(gc.is_tracked(v) for v in (pool.refs, pool.hash_of, pool.queue.prev,
-                                              pool.queue.next))
-    assert pool.num_free == 64 - 3
+def test_a_transition_makes_no_big_container_for_the_collector() -> None:
+    n = 4096
+    state = kf.KVState.create({"full": kf.FullAttention(num_blocks=n, block_size=4),
+                               "swa": kf.SlidingWindow(num_blocks=n, block_size=4,
+                                                       sliding_window=8)},
+                              256, enable_prefix_caching=True, layout="shared")
+    store = _store(state)
+    arrays = [store.refs, store.hash_of, store.prev, store.next, store.by_key]
+    gc.collect()  # the arrays are old now; whatever a transition makes is young
+    state = _program(state)
+    young = [o for o in gc.get_objects(generation=0)
+             if type(o) in (list, dict) and len(o) >= n]
+    assert not young, [len(o) for o in young]
+    store = _store(state)  # the same lists and dict, written in place
+    assert [store.refs, store.hash_of, store.prev, store.next, store.by_key] == arrays
+    assert all(x is y for x, y in zip(arrays, [store.refs, store.hash_of, store.prev,
+                                                store.next, store.by_key], strict=True))
+    kf.check_invariants(state)
 
 
 def _host(state: kf.TieredState) -> Any:
@@ -124,45 +101,11 @@ def test_a_host_tiers_free_stack_is_untracked_once_a_transition_gives_a_block_ba
     kf.check_tiered_invariants(state)
 
 
-def test_an_open_evolvers_working_copy_is_untracked_before_a_collection() -> None:
+def test_atomic_untracks_a_vector_while_the_collector_is_on_only() -> None:
+    pytest.importorskip("pvectorc")
+    assert _untracked._untrack is not None
     vector = atomic(pvector([0] * 100))
-    assert not gc.is_tracked(vector)
-    ev = evolver(vector)
-    ev[3] = 7  # the working copy is made
-    copies = [p for p in gc.get_referents(ev) if p is not vector and type(p) is type(vector)]
-    assert copies and gc.is_tracked(copies[0])
-    gc.collect()
-    assert not gc.is_tracked(copies[0])
-    ev[4] = 8  # the evolver goes on as before
-    done = persist(ev)
-    assert (done[3], done[4], vector[3], vector[4]) == (7, 8, 0, 0)
-    assert id(ev) not in _untracked.open_evolvers and not gc.is_tracked(done)
-
-
-def test_evolvers_given_up_on_are_not_held() -> None:
-    before = len(_untracked.open_evolvers)  # evolvers other live code holds open, if any
-    kept = evolver(pvector([1]))
-    for i in range(3 * _untracked._OPEN_MAX):
-        dropped = evolver(pvector([i]))
-        del dropped  # a transition that gave up
-        assert len(_untracked.open_evolvers) <= _untracked._OPEN_MAX + 1
-    gc.collect()
-    assert kept in _untracked.open_evolvers.values() and len(_untracked.open_evolvers) <= before + 1
+    assert not gc.is_tracked(vector) and list(vector) == [0] * 100
     gc.disable()
-    del kept
-    watch(pvector([0]).evolver())  # the collector is off: nothing is held for it
-    assert len(_untracked.open_evolvers) <= before
-
-
-def test_nothing_is_done_while_the_collector_is_off() -> None:
-    gc.disable()
-    before = dict(_untracked.open_evolvers)
-    vector = atomic(pvector([0] * 10))
-    ev = evolver(vector)
-    watch(ev)  # asked even though the collector is off: still nothing kept
-    assert id(ev) not in _untracked.open_evolvers
-    ev[1] = 1
-    done = persist(ev)
-    assert gc.is_tracked(vector) and gc.is_tracked(done) and list(done) == [0, 1] + [0] * 8
-    _program(_caching_state())  # a pool's transitions keep no evolver either
-    assert _untracked.open_evolvers.keys() <= before.keys()
+    kept = atomic(pvector([1, 2]))
+    assert gc.is_tracked(kept) and list(kept) == [1, 2]

@@ -139,7 +139,7 @@ def test_tiers_free_a_request_at_its_priority_on_the_device() -> None:
                            priorities={"a": 7})
     t2, d = kf.free_tiered(r.state, "a")
     assert d.device.retained_priorities == (7,)
-    assert ("priority", 7) in t2.device.pools[0].queue.layout()
+    assert ("priority", 7) in t2.device.pools[0].queue_layout()
     kf.check_invariants(t2)
 
 
@@ -213,7 +213,7 @@ def test_a_free_block_evicted_on_request_keeps_its_place_as_in_vllm() -> None:
     s2, d = kf.evict_blocks(s, [1])  # a's first block, cached at priority 5
     log.append(d)
     assert d.evicted_block_ids == (1,)
-    assert s2.pools[0].queue.layout() == s.pools[0].queue.layout()
+    assert s2.pools[0].queue_layout() == s.pools[0].queue_layout()
     kf.check_invariants(s2)
     assert kf.replay(s0, log) == s2
 

@@ -56,6 +56,10 @@ class Store:
         if state.prefix_caching:
             msg = "the seed-compatible manager has no prefix cache: restore a plain state"
             raise InvalidArgumentError(msg)
+        if any(p.linked for p in state.pools):
+            msg = ("the seed-compatible manager hands blocks out in the seed's order: restore a "
+                   "state made with free_order='seed'")
+            raise InvalidArgumentError(msg)
         self.tr = Transient(state)
 
 

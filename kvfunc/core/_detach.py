@@ -55,9 +55,13 @@ def detach_request(state: KVState, request_id: RequestId) -> DetachResult:
     sink = DeltaBuilder()
     tr = Transient(state, sink)
     out = {}
-    for i, view in enumerate(state.groups):
-        if view.rows.get(request_id) is not None:
-            out[view.key] = tr.copy(i).detach(request_id)
+    try:
+        for i, view in enumerate(state.groups):
+            if view.rows.get(request_id) is not None:
+                out[view.key] = tr.copy(i).detach(request_id)
+    except BaseException:
+        tr.abort()
+        raise
     return DetachResult(tr.freeze(), sink.build(), out)
 
 
@@ -76,17 +80,21 @@ def free_detached(state: KVState, block_ids: Mapping[str, Sequence[BlockId]]
     sink = DeltaBuilder()
     tr = Transient(state, sink)
     left: dict[int, dict[int, int]] = {}
-    for key, ids in block_ids.items():
-        i = tr.index(key)
-        j = tr.group_pool[i]
-        counts = left.setdefault(j, dict(state.pools[j].detached.items()))
-        ids = _block_list(ids, state.pools[j].num_blocks)
-        for b in ids:
-            if counts.get(b, 0) < 1:
-                raise InvalidArgumentError(f"block {b} of {key!r} is not detached")
-            counts[b] -= 1
-        if ids:
-            tr.copy(i).pool.drop(ids, key)
+    try:
+        for key, ids in block_ids.items():
+            i = tr.index(key)
+            j = tr.group_pool[i]
+            counts = left.setdefault(j, dict(state.pools[j].detached.items()))
+            ids = _block_list(ids, state.pools[j].num_blocks)
+            for b in ids:
+                if counts.get(b, 0) < 1:
+                    raise InvalidArgumentError(f"block {b} of {key!r} is not detached")
+                counts[b] -= 1
+            if ids:
+                tr.copy(i).pool.drop(ids, key)
+    except BaseException:
+        tr.abort()
+        raise
     return tr.freeze(), sink.build()
 
 
@@ -116,13 +124,18 @@ def evict_blocks(state: KVState, block_ids: Sequence[BlockId], *,
     ids = _block_list(block_ids, state.pools[state.groups[i].pool].num_blocks)
     sink = DeltaBuilder()
     tr = Transient(state, sink)
-    pool = tr.copy(i).pool
-    members = [tr.copy(k) for k, g in enumerate(state.groups) if g.pool == state.groups[i].pool]
-    for b in dict.fromkeys(ids):
-        held = pool.refs[b] > 0
-        if pool.evict(b) and held:
-            for g in members:
-                g.unstore(b)
+    try:
+        pool = tr.copy(i).pool
+        members = [tr.copy(k) for k, g in enumerate(state.groups)
+                   if g.pool == state.groups[i].pool]
+        for b in dict.fromkeys(ids):
+            held = pool.refs[b] > 0
+            if pool.evict(b) and held:
+                for g in members:
+                    g.unstore(b)
+    except BaseException:
+        tr.abort()
+        raise
     return tr.freeze(), sink.build()
 
 

@@ -66,14 +66,14 @@ def _check_pool(pool: PoolState, groups: list[GroupState]) -> None:
     assert all(0 < b < n for b in [*held, *free, *detached]), f"{name}: block id out of range"
     assert not set(held) & set(free), f"{name}: a block is free and held"
     assert not set(detached) & set(free), f"{name}: a block is free and detached"
-    if pool.refs is None:
+    if not pool.linked:
         assert all(c == 1 for c in held.values()), f"{name}: a block is held twice"
         assert all(c == 1 for c in detached.values()), f"{name}: a block is detached twice"
         assert not set(held) & set(detached), f"{name}: a block is held and detached"
     else:
         _check_refs(pool, held, detached, free)
         _check_links(pool)
-    if pool.hash_of is not None:
+    if pool.caching:
         _check_cache(pool, groups)
     total = len(free) + len(set(held) | set(detached))
     assert total == n - 1, (f"{name}: conservation broken: free {len(free)} + held or "
@@ -106,7 +106,9 @@ def _check_refs(pool: PoolState, held: Counter[int], detached: dict[int, int],
 def _check_links(pool: PoolState) -> None:
     """A linked queue's links agree both ways; its markers come in priority order."""
     q = pool.queue
-    s, nxt, prev = q.sentinel, q.next, q.prev
+    with pool.reading() as store:
+        nxt, prev = list(store.next), list(store.prev)
+    s = q.sentinel
     assert s == pool.num_blocks, f"{pool.name}: the sentinel is {s}, not {pool.num_blocks}"
     walk, b = [s], nxt[s]
     while b != s and len(walk) <= len(nxt):
@@ -115,7 +117,7 @@ def _check_links(pool: PoolState) -> None:
         b = nxt[b]
     assert b == s and prev[s] == walk[-1], f"{pool.name}: the free queue is not one ring"
     marks = {m: p for p, m in q.levels}
-    assert sorted(marks) == list(range(s + 1, len(nxt))), f"{pool.name}: stray marker nodes"
+    assert all(s < m < len(nxt) for m in marks), f"{pool.name}: a marker node out of range"
     order = [marks[m] for m in walk if m > s]
     assert order == sorted(order) and len(order) == len(marks), (
         f"{pool.name}: retention markers out of order: {order}")
@@ -124,12 +126,12 @@ def _check_links(pool: PoolState) -> None:
 
 def _check_cache(pool: PoolState, groups: list[GroupState]) -> None:
     """The index and ``hash_of`` agree; every row's counters are sound."""
-    hash_of = pool.hash_of
-    assert hash_of is not None
+    hash_of, refs, index = pool.hash_of, pool.refs, pool.by_key
+    assert hash_of is not None and refs is not None
     cached = {b: k for b, k in enumerate(hash_of) if k is not None}
     assert pool.num_cached == len(cached), f"{pool.name}: cached block count differs"
     indexed: dict[int, bytes] = {}
-    for key, found in pool.by_key.items():
+    for key, found in index.items():
         blocks = found if type(found) is tuple else (found,)
         assert len(blocks) == len(set(blocks)) and (type(found) is int or len(blocks) > 1), (
             f"{pool.name}: a malformed index entry {found!r}")
@@ -142,6 +144,6 @@ def _check_cache(pool: PoolState, groups: list[GroupState]) -> None:
             done = min(max(row.stored, nulls), row.length)
             assert all(hash_of[ids[p]] is not None for p in range(nulls, done)), (
                 f"{g.key}: a row's stored counter covers an uncached block")
-            assert all(pool.refs[ids[p]] <= 1  # type: ignore[index]
+            assert all(refs[ids[p]] <= 1
                        for p in range(max(row.shared, nulls), row.length)), (
                 f"{g.key}: a row's shared counter misses a shared block")

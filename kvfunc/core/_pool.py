@@ -15,7 +15,10 @@ Two kinds, chosen when the state is made:
   queue, :class:`~kvfunc.core._queue.Linked`, plus ``refs`` (table entries
   and detached holders per block) and, with caching, ``hash_of`` (the key
   each cached block is stored under) and ``by_key`` (key -> block id, or a
-  tuple of ids in cache order; a hit takes the first, as vLLM's does).  A
+  tuple of ids in cache order; a hit takes the first, as vLLM's does).
+  These arrays and the queue's links live in a store that the pool's
+  lineage shares (:mod:`kvfunc.core._lineage`): plain lists and a dict that
+  a transition writes in place, with undo logs for older values.  A
   block nobody holds re-enters the queue at the front when it caches nothing
   (reused first), else at the back (evicted last: least recently freed
   first); it keeps its key while it waits and is *evicted* only when handed
@@ -31,8 +34,10 @@ Conservation: ``free + held + detached == num_blocks - 1`` (``detached``:
 held outside the tables, as the seed's ``BlockPool.get_new_blocks`` and
 vLLM's deferred frees do).
 
-:class:`PoolCopy` is the working copy one transition edits.  Its
-primitives record the pool's own delta rows (freed, evicted) as they act.
+:class:`PoolCopy` is the working copy one transition edits: it claims the
+store (or a fork of it) when it is made, writes it logging each old value,
+and commits or aborts it.  Its primitives record the pool's own delta rows
+(freed, evicted) as they act.
 """
 
 from __future__ import annotations
@@ -41,11 +46,21 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import immutables
-from pyrsistent import PVector, pvector
 
 from kvfunc.core._delta import DeltaBuilder
+from kvfunc.core._lineage import (
+    KEYS,
+    MISSING,
+    REFS,
+    SLOTS,
+    Store,
+    Version,
+    abort,
+    claim,
+    commit,
+    reading,
+)
 from kvfunc.core._queue import Linked, Ring
-from kvfunc.core._untracked import atomic, forget, open_evolvers, untrack, watch, watching
 
 __all__ = ["EMPTY_MAP", "PoolCopy", "PoolState", "cache_key"]
 
@@ -69,10 +84,9 @@ class PoolState(NamedTuple):
         members: the keys of the groups that draw from it, in manager order.
         num_blocks: block ids ``0 .. num_blocks - 1``; 0 is the null block.
         queue: the free queue (a ``Ring`` or a ``Linked`` queue).
-        refs: holders per block (linked pools), else None.
-        hash_of: the key each block is cached under, or None (caching pools).
-        by_key: the hash index: cached key -> block id, or a tuple of ids in cache order.
-        num_cached: blocks whose ``hash_of`` is set.
+        ver: the version of its lineage's store holding its arrays (linked pools), else None.
+        caching: True when the pool caches blocks by hash.
+        num_cached: blocks cached (a key in ``hash_of``).
         detached: block -> holders outside the tables.
     """
 
@@ -80,9 +94,8 @@ class PoolState(NamedTuple):
     members: tuple[str, ...]
     num_blocks: int
     queue: Any
-    refs: PVector[int] | None
-    hash_of: PVector[bytes | None] | None
-    by_key: immutables.Map[bytes, Any]
+    ver: Version | None
+    caching: bool
     num_cached: int
     detached: immutables.Map[int, int]
 
@@ -97,11 +110,12 @@ class PoolState(NamedTuple):
         """
         ids = range(1, num_blocks)
         if not linked:
-            return cls(name, members, num_blocks, Ring.of(ids, num_blocks - 1), None, None,
-                       EMPTY_MAP, 0, EMPTY_MAP)
-        hash_of: Any = atomic(pvector([None] * num_blocks)) if caching else None
-        return cls(name, members, num_blocks, Linked.of(ids, num_blocks),
-                   atomic(pvector([0] * num_blocks)), hash_of, EMPTY_MAP, 0, EMPTY_MAP)
+            return cls(name, members, num_blocks, Ring.of(ids, num_blocks - 1), None, False, 0,
+                       EMPTY_MAP)
+        queue, prev, nxt = Linked.of(ids, num_blocks)
+        store = Store([0] * num_blocks, [None] * num_blocks if caching else None, prev, nxt,
+                      {} if caching else None)
+        return cls(name, members, num_blocks, queue, Version(store), caching, 0, EMPTY_MAP)
 
     @property
     def num_free(self) -> int:
@@ -111,16 +125,43 @@ class PoolState(NamedTuple):
     @property
     def linked(self) -> bool:
         """True for vLLM's queue with reference counts."""
-        return self.refs is not None
+        return self.ver is not None
+
+    def reading(self) -> Any:
+        """A context whose value is the store holding this pool's arrays, to read only."""
+        assert self.ver is not None, "a seed pool has no store"
+        return reading(self.ver)
 
     @property
-    def caching(self) -> bool:
-        """True when the pool caches blocks by hash."""
-        return self.hash_of is not None
+    def refs(self) -> list[int] | None:
+        """Holders per block (a copy; linked pools), else None."""
+        if self.ver is None:
+            return None
+        with reading(self.ver) as store:
+            return list(store.refs)
+
+    @property
+    def hash_of(self) -> list[bytes | None] | None:
+        """The key each block is cached under, or None (a copy; caching pools), else None."""
+        if not self.caching:
+            return None
+        with self.reading() as store:
+            return list(store.hash_of)
+
+    @property
+    def by_key(self) -> dict[bytes, Any]:
+        """The hash index (a copy): cached key -> block id, or a tuple of ids in cache order."""
+        if not self.caching:
+            return {}
+        with self.reading() as store:
+            return dict(store.by_key)
 
     def free_block_ids(self) -> tuple[int, ...]:
-        """Free block ids in hand-out order."""
-        return tuple(self.queue.ids())
+        """Free blocks in hand-out order."""
+        if self.ver is None:
+            return tuple(self.queue.ids())
+        with reading(self.ver) as store:
+            return tuple(self.queue.ids(store.next))
 
     def num_detached(self) -> int:
         """Holders outside the tables."""
@@ -128,26 +169,37 @@ class PoolState(NamedTuple):
 
     def cached(self, member: str) -> dict[bytes, tuple[int, ...]]:
         """``{digest: block ids ascending}`` of one member group (for checks and views)."""
-        if self.hash_of is None:
+        if not self.caching:
             return {}
         tag = self.tag_of(member)
         out: dict[bytes, tuple[int, ...]] = {}
-        for key, found in self.by_key.items():
-            if tag is None or key[-1:] == tag:
-                ids = tuple(sorted(found)) if type(found) is tuple else (found,)
-                out[key if tag is None else key[:-1]] = ids
+        with self.reading() as store:
+            for key, found in store.by_key.items():
+                if tag is None or key[-1:] == tag:
+                    ids = tuple(sorted(found)) if type(found) is tuple else (found,)
+                    out[key if tag is None else key[:-1]] = ids
         return out
 
     def tag_of(self, member: str) -> bytes | None:
         """The index tag of a member group (None when it is the only member)."""
         return None if len(self.members) == 1 else bytes((self.members.index(member),))
 
+    def queue_layout(self) -> tuple[Any, ...]:
+        """The free queue's whole order, priority markers as ``("priority", p)``."""
+        if self.ver is None:
+            return self.queue.layout()  # type: ignore[no-any-return]
+        with reading(self.ver) as store:
+            return self.queue.layout(store.next)  # type: ignore[no-any-return]
+
     def identity(self) -> tuple[Any, ...]:
         """What equality compares: sizes, the queue's order, references and cached keys."""
-        return (self.name, self.members, self.num_blocks, self.queue.layout(),
-                None if self.refs is None else tuple(self.refs),
-                None if self.hash_of is None else tuple(self.hash_of),
-                dict(self.detached.items()))
+        if self.ver is None:
+            return (self.name, self.members, self.num_blocks, self.queue.layout(), None, None,
+                    dict(self.detached.items()))
+        with reading(self.ver) as store:
+            return (self.name, self.members, self.num_blocks, self.queue.layout(store.next),
+                    tuple(store.refs), None if store.hash_of is None else tuple(store.hash_of),
+                    dict(self.detached.items()))
 
     def __repr__(self) -> str:
         return (f"PoolState(name={self.name!r}, members={self.members!r}, "
@@ -166,26 +218,53 @@ class PoolState(NamedTuple):
 
 
 class PoolCopy:
-    """The working copy of a :class:`PoolState` (see the module docstring)."""
+    """The working copy of a :class:`PoolState` (see the module docstring).
 
-    __slots__ = ("by_key", "caching", "detached", "hash_of", "linked", "members", "num_blocks",
-                 "num_cached", "queue", "refs", "sink", "src", "tagged", "writable")
+    A linked pool's copy holds its store (``store``, claimed with ``log``)
+    from when it is made until :meth:`freeze` or :meth:`abort`; a copy left
+    with a state for the next transition claims it again (:meth:`reopen`).
+    """
+
+    __slots__ = ("by_key", "caching", "detached", "hash_of", "linked", "log", "members",
+                 "num_blocks", "num_cached", "queue", "refs", "sink", "src", "store", "tagged",
+                 "writable")
 
     def __init__(self, pool: PoolState, sink: DeltaBuilder | None) -> None:
         self.src = pool
         self.num_blocks = pool.num_blocks
         self.members = pool.members
         self.tagged = len(pool.members) > 1
-        self.linked = pool.refs is not None
-        self.caching = pool.hash_of is not None
-        self.queue: Any = pool.queue.copy()
-        self.refs: Any = pool.refs
-        self.hash_of: Any = pool.hash_of
-        self.by_key: Any = pool.by_key
+        self.linked = pool.ver is not None
+        self.caching = pool.caching
         self.num_cached = pool.num_cached
         self.detached: Any = pool.detached
         self.sink = sink
         self.writable = False
+        self.store: Store | None = None
+        self.log: list[Any] | None = None
+        if pool.ver is None:
+            self.queue: Any = pool.queue.copy()
+            self.refs = self.hash_of = self.by_key = None
+        else:
+            self._claim()
+
+    def _claim(self) -> None:
+        pool = self.src
+        store, log = claim(pool.ver)  # type: ignore[arg-type]
+        if store is not self.store:
+            self.store = store
+            self.refs: Any = store.refs
+            self.hash_of: Any = store.hash_of
+            self.by_key: Any = store.by_key
+            self.queue = pool.queue.copy(store.prev, store.next, log)
+        else:
+            self.queue.rebind(pool.queue, log)
+        self.log = log
+
+    def reopen(self) -> None:
+        """Claim the store again, for a transition going on from :attr:`src`."""
+        if self.log is None and self.linked:
+            self._claim()
 
     @property
     def count(self) -> int:
@@ -193,27 +272,18 @@ class PoolCopy:
         return self.queue.count  # type: ignore[no-any-return]
 
     def writing(self) -> None:
-        """Turn the per-block vectors into evolvers (once per transition)."""
-        if self.writable:
-            return
-        if self.linked:
-            self.refs = self.refs.evolver()
-            if self.caching:
-                self.hash_of = self.hash_of.evolver()
-                self.by_key = self.by_key.mutate()
-            if watching():  # see ``kvfunc.core._untracked``: the collector skips them
-                watch(self.refs, self.hash_of)
+        """Note that this transition writes the pool."""
         self.writable = True
 
     # -- the free queue ---------------------------------------------------------------
     def take(self, n: int) -> list[int]:
         """Pop ``n`` free blocks for one holder each, evicting what they cache (caller checked)."""
-        if not self.writable:
-            self.writing()
+        self.writable = True
         out: list[int] = self.queue.pop(n)
         if self.linked:
-            refs = self.refs
+            refs, log = self.refs, self.log.append  # type: ignore[union-attr]
             for b in out:
+                log((REFS, b, 0))  # a free block has no holder
                 refs[b] = 1
             if self.num_cached:
                 hash_of = self.hash_of
@@ -225,8 +295,7 @@ class PoolCopy:
         """Return blocks nobody holds to the queue; cached ones wait at ``priority`` (Y, F rows)."""
         if not ids:
             return
-        if not self.writable:
-            self.writing()
+        self.writable = True
         queue, sink = self.queue, self.sink
         if priority and self.caching and sink is not None:
             sink.rows.append((key, priority))
@@ -250,25 +319,33 @@ class PoolCopy:
         if not self.linked:
             self.free(ids, key)
             return
-        if not self.writable:
-            self.writing()
-        refs = self.refs
+        self.writable = True
+        refs, log = self.refs, self.log.append  # type: ignore[union-attr]
+        if len(ids) == 1:
+            b = ids[0]
+            r = refs[b]
+            log((REFS, b, r))
+            refs[b] = r - 1
+            if r == 1:
+                self.free(ids, key, priority)
+            return
         left = [refs[b] - 1 for b in ids]
         for b, r in zip(ids, left, strict=True):
+            log((REFS, b, r + 1))
             refs[b] = r
         self.free([b for b, r in zip(ids, left, strict=True) if not r] if any(left) else ids,
                   key, priority)
 
     def share(self, entries: Sequence[int]) -> None:
         """Add a holder to each non-null entry's block; a free one (cached) leaves the queue."""
-        if not self.writable:
-            self.writing()
+        self.writable = True
         ids = [b for b in entries if b] if 0 in entries else entries
-        refs, queue = self.refs, self.queue
+        refs, queue, log = self.refs, self.queue, self.log.append  # type: ignore[union-attr]
         for b in ids:
             r = refs[b]
             if not r:
                 queue.remove(b)
+            log((REFS, b, r))
             refs[b] = r + 1
 
     def detach(self, ids: Sequence[int]) -> None:
@@ -302,37 +379,43 @@ class PoolCopy:
         """The first block cached under ``key``, or None."""
         found = self.by_key.get(key)
         if found is None or type(found) is int:
-            return found
+            return found  # type: ignore[no-any-return]
         first: int = found[0]
         return first
 
     def store_run(self, blocks: Sequence[int], keys: Sequence[bytes]) -> None:
         """Cache each block under its key (none of them holds anything cached)."""
-        if not self.writable:
-            self.writing()
-        index, hash_of = self.by_key, self.hash_of
+        self.writable = True
+        index, hash_of, log = self.by_key, self.hash_of, self.log  # type: ignore[union-attr]
         if len(keys) > 1 and not any(map(index.__contains__, keys)):
-            index.update(zip(keys, blocks, strict=True))  # no key cached yet: one call
+            log.extend([(KEYS, k, MISSING) for k in keys])  # none cached yet: one update
+            index.update(zip(keys, blocks, strict=True))
         else:
             get = index.get
             for b, key in zip(blocks, keys, strict=True):
-                found = get(key)
-                index[key] = (b if found is None else (found, b) if type(found) is int
+                found = get(key, MISSING)
+                log.append((KEYS, key, found))
+                index[key] = (b if found is MISSING else (found, b) if type(found) is int
                               else (*found, b))
         for b, key in zip(blocks, keys, strict=True):
+            log.append((SLOTS, b, hash_of[b]))
             hash_of[b] = key
         self.num_cached += len(blocks)
 
     def _evict_run(self, blocks: list[int]) -> None:
         """Forget what ``blocks`` cache; records their E rows, in order."""
-        index, hash_of = self.by_key, self.hash_of
+        index, hash_of, log = self.by_key, self.hash_of, self.log.append  # type: ignore[union-attr]
         keys = [hash_of[b] for b in blocks]
-        pop = index.pop  # one walk of the index per block (a read, then a delete, were two)
+        pop = index.pop
         for b, key in zip(blocks, keys, strict=True):
-            found = pop(key)
-            if type(found) is not int:  # copies of one key: put the others back
+            found = index[key]
+            log((KEYS, key, found))
+            if type(found) is int:
+                pop(key)
+            else:  # copies of one key: keep the others
                 rest = tuple(x for x in found if x != b)
                 index[key] = rest[0] if len(rest) == 1 else rest
+            log((SLOTS, b, key))
             hash_of[b] = None
         self.num_cached -= len(blocks)
         sink = self.sink
@@ -349,8 +432,7 @@ class PoolCopy:
         """
         if not self.caching or self.hash_of[b] is None:
             return False
-        if not self.writable:
-            self.writing()
+        self.writable = True
         self._evict_run([b])
         return True
 
@@ -365,36 +447,48 @@ class PoolCopy:
 
     def clear(self) -> int:
         """Forget every cached key (held blocks stay held); how many blocks were cached."""
-        if not self.writable:
-            self.writing()
-        self.hash_of = atomic(pvector([None] * self.num_blocks)).evolver()
-        watch(self.hash_of)
+        self.writable = True
+        hash_of, index, log = self.hash_of, self.by_key, self.log  # type: ignore[union-attr]
+        for b in [b for b in range(self.num_blocks) if hash_of[b] is not None]:
+            log.append((SLOTS, b, hash_of[b]))  # type: ignore[union-attr]
+            hash_of[b] = None
+        log.extend([(KEYS, k, v) for k, v in index.items()])  # type: ignore[union-attr]
+        index.clear()
         n, self.num_cached = self.num_cached, 0
-        self.by_key = EMPTY_MAP.mutate()
         if self.queue.levels:  # nothing waits at a priority now: vLLM's queue, in its order
-            self.queue = Linked.of(self.queue.ids(), self.num_blocks).copy()
+            self.queue.relink(self.queue.ids())
         return n
 
     # -- freezing ---------------------------------------------------------------------
     def freeze(self) -> PoolState:
-        """The pool as a value; the working copy goes on from it."""
-        src = self.src
+        """The pool as a value; the working copy goes on from it (claiming nothing)."""
+        src, store, log = self.src, self.store, self.log
         queue = self.queue.frozen()
-        if not self.writable and queue is src.queue and self.detached is src.detached:
+        if store is None:  # a seed pool
+            if queue is src.queue and self.detached is src.detached:
+                return src
+            ver = None
+        elif log is None:  # frozen already, nothing claimed since
             return src
-        refs, hash_of, index = self.refs, self.hash_of, self.by_key
-        if self.writable and self.linked:
-            if open_evolvers:
-                forget(refs, hash_of)
-            refs = refs.persistent()
-            if self.caching:
-                hash_of, index = hash_of.persistent(), index.finish()
-            if watching():
-                untrack(refs, hash_of)
-        new = self.src = _new(PoolState, (src.name, src.members, src.num_blocks, queue, refs,
-                                          hash_of, index, self.num_cached, self.detached))
-        self.refs, self.hash_of, self.by_key, self.writable = refs, hash_of, index, False
+        else:
+            self.log = None
+            if not log and len(store.next) == store.size:
+                abort(store, log)  # nothing written: the store goes back as it was
+                if queue is src.queue and self.detached is src.detached:
+                    return src
+                ver = src.ver
+            else:
+                ver = commit(store, log, src.ver)  # type: ignore[arg-type]
+        self.writable = False
+        new = self.src = _new(PoolState, (src.name, src.members, src.num_blocks, queue, ver,
+                                          src.caching, self.num_cached, self.detached))
         return new
+
+    def abort(self) -> None:
+        """Give the store back with every write of this transition undone."""
+        if self.log is not None:
+            abort(self.store, self.log)  # type: ignore[arg-type]
+            self.log = None
 
 
 _new = tuple.__new__

@@ -52,6 +52,7 @@ import attrs
 from kvfunc.core._checks import excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 from kvfunc.core._hashing import BlockHashes
+from kvfunc.core._lineage import LOCK, content
 from kvfunc.core._policy import KEEPS_ALL, hit_span
 from kvfunc.core._pool import cache_key
 from kvfunc.core._state import NULL_BLOCK, BlockId, FrozenDict, KVState, check_state
@@ -164,33 +165,35 @@ def lookup_prefix(state: KVState, block_hashes: BlockHashes, *,
         msg = f"max_tokens must be None or a non-negative int, got {excerpt(max_tokens)}"
         raise InvalidArgumentError(msg)
     hashes = block_hashes
-    finders = [_Finder(state, g, hashes) for g in state.groups]
-    step = lcm(*(f.bs for f in finders)) if finders else 1
-    limit = hashes.num_blocks * hashes.block_size
-    query = limit if max_tokens is None else min(limit, max_tokens)
-    best = query
-    for f in finders:  # full attention first: one scan bounds every other group
-        if f.full:
-            best = f.scan(best)
-    best = _longest_accepted(finders, best - best % step, step)
-    tables = {f.key: f.table(best) for f in finders}
+    with LOCK:  # the pools' indexes, kept from any transition while they are read
+        indexes = [content(p.ver).by_key for p in state.pools]  # type: ignore[arg-type]
+        finders = [_Finder(state, g, hashes, indexes[g.pool]) for g in state.groups]
+        step = lcm(*(f.bs for f in finders)) if finders else 1
+        limit = hashes.num_blocks * hashes.block_size
+        query = limit if max_tokens is None else min(limit, max_tokens)
+        best = query
+        for f in finders:  # full attention first: one scan bounds every other group
+            if f.full:
+                best = f.scan(best)
+        best = _longest_accepted(finders, best - best % step, step)
+        tables = {f.key: f.table(best) for f in finders}
     return PrefixHit(best, FrozenDict(tables), query)
 
 
 class _Finder:
     """One group's view of the cache during a lookup (its pool, tag and hash stride)."""
 
-    __slots__ = ("bs", "digests", "full", "key", "m", "memo", "policy", "pool", "scanned", "tag")
+    __slots__ = ("bs", "digests", "full", "index", "key", "m", "memo", "policy", "scanned", "tag")
 
-    def __init__(self, state: KVState, g: Any, hashes: BlockHashes) -> None:
+    def __init__(self, state: KVState, g: Any, hashes: BlockHashes, index: Any) -> None:
         self.key, self.policy, self.bs = g.key, g.policy, g.policy.block_size
         if self.bs % hashes.block_size:
             msg = (f"group {g.key!r} has block_size {self.bs}, not a multiple of the hashes' "
                    f"block_size {hashes.block_size}")
             raise InvalidArgumentError(msg)
         self.m = self.bs // hashes.block_size
-        self.pool = state.pools[g.pool]
-        self.tag = self.pool.tag_of(g.key)
+        self.index = index
+        self.tag = state.pools[g.pool].tag_of(g.key)
         self.full = g.traits[1] and g.traits[2] == KEEPS_ALL
         self.digests = hashes._digests
         self.scanned: list[int] = []
@@ -200,7 +203,7 @@ class _Finder:
         """The first block cached for this group's block ``p``, or None."""
         got = self.memo.get(p, -1)
         if got == -1:
-            found = self.pool.by_key.get(cache_key(self.digests[(p + 1) * self.m - 1], self.tag))
+            found = self.index.get(cache_key(self.digests[(p + 1) * self.m - 1], self.tag))
             got = found if found is None or type(found) is int else found[0]
             self.memo[p] = got
         return None if got is None else int(got)
@@ -208,7 +211,7 @@ class _Finder:
     def scan(self, best: int) -> int:
         """Full attention: the cached blocks of the longest cached prefix up to ``best``."""
         ids = self.scanned
-        index, tag, m = self.pool.by_key, self.tag, self.m
+        index, tag, m = self.index, self.tag, self.m
         for h in self.digests[m - 1:best // self.bs * m:m]:
             found = index.get(h if tag is None else h + tag)
             if found is None:

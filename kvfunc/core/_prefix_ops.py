@@ -57,13 +57,17 @@ def fork_request(state: KVState, parent: RequestId, child: RequestId
     sink = DeltaBuilder()
     tr = Transient(state, sink)
     seq, tr.seq = tr.seq, tr.seq + 1
-    for i, view in enumerate(state.groups):
-        row = view.row(parent)
-        if row is None:
-            continue
-        g = tr.copy(i)
-        g.put(parent, remade(row, row.nulls, row.stored, row.length))
-        g.put(child, g.share(child, g.register(child, seq), row_table(row)))
+    try:
+        for i, view in enumerate(state.groups):
+            row = view.row(parent)
+            if row is None:
+                continue
+            g = tr.copy(i)
+            g.put(parent, remade(row, row.nulls, row.stored, row.length))
+            g.put(child, g.share(child, g.register(child, seq), row_table(row)))
+    except BaseException:
+        tr.abort()
+        raise
     return tr.freeze(), sink.build()
 
 
@@ -87,11 +91,15 @@ def reset_prefix_cache(state: KVState) -> tuple[KVState, BlocksChanged]:
     require_caching(state, "reset_prefix_cache")
     sink = DeltaBuilder()
     tr = Transient(state, sink)
-    for g in tr.all_copies():
-        g.pool.clear()
-        g.unstore_all()
-        sink.rows.append((g.key,))
-        sink.codes.append("Z")
+    try:
+        for g in tr.all_copies():
+            g.pool.clear()
+            g.unstore_all()
+            sink.rows.append((g.key,))
+            sink.codes.append("Z")
+    except BaseException:
+        tr.abort()
+        raise
     return tr.freeze(), sink.build()
 
 

@@ -11,8 +11,10 @@ edits and freezes once:
   so popping only moves the head and pushing a run rewrites one or two
   chunks: a transition shares every other chunk with the state it came from.
 * :class:`Linked` -- vLLM's free block queue: a doubly linked list over
-  block ids, kept as two persistent vectors ``prev`` and ``next`` with one
-  sentinel (index ``num_blocks``).  Blocks leave at the front; a freed block
+  block ids, two lists ``prev`` and ``next`` with one sentinel (index
+  ``num_blocks``), kept in the pool's store with its other per-block arrays
+  (:mod:`kvfunc.core._lineage`: the newest value's links, written in place,
+  and undo logs for older values).  Blocks leave at the front; a freed block
   re-enters at the front (reused first) or at the back (evicted last), and a
   block can leave from the middle (a prefix hit on a free cached block).
 
@@ -41,7 +43,7 @@ from typing import Any
 
 from pyrsistent import PVector, pvector
 
-from kvfunc.core._untracked import atomic, forget, open_evolvers, untrack, watch, watching
+from kvfunc.core._lineage import NEXT, PREV
 
 __all__ = ["CHUNK", "Linked", "LinkedCopy", "Ring", "RingCopy"]
 
@@ -155,28 +157,25 @@ class RingCopy:
 
 
 class Linked:
-    """vLLM's free queue as a value: ``prev`` / ``next`` links over the blocks and a sentinel.
+    """vLLM's free queue as a value: its length, its priority markers and its sentinel.
 
-    ``levels`` pairs each retention priority in use with its marker node, by
-    priority (see the module docstring); the sentinel is ``len(next) - 1 - len(levels)``.
+    The links themselves (``prev``, ``next``: one node per block, the
+    sentinel ``num_blocks``, then the marker nodes) live in the pool's store
+    (:mod:`kvfunc.core._lineage`); ``levels`` pairs each retention priority
+    in use with its marker node, by priority (see the module docstring).
     """
 
-    __slots__ = ("count", "levels", "next", "prev")
+    __slots__ = ("count", "levels", "sentinel")
 
-    def __init__(self, prev: PVector[int], nxt: PVector[int], count: int,
-                 levels: tuple[tuple[int, int], ...] = ()) -> None:
-        self.prev, self.next, self.count, self.levels = prev, nxt, count, levels
-
-    @property
-    def sentinel(self) -> int:
-        """The sentinel node (also the number of blocks)."""
-        return len(self.next) - 1 - len(self.levels)
+    def __init__(self, count: int, levels: tuple[tuple[int, int], ...], sentinel: int) -> None:
+        self.count, self.levels, self.sentinel = count, levels, sentinel
 
     @classmethod
-    def of(cls, ids: Sequence[int], num_blocks: int) -> Linked:
-        """A queue holding ``ids`` in order over blocks ``0 .. num_blocks - 1``.
+    def of(cls, ids: Sequence[int], num_blocks: int) -> tuple[Linked, list[int], list[int]]:
+        """A queue holding ``ids`` in order over blocks ``0 .. num_blocks - 1``, with its links.
 
-        >>> list(Linked.of([3, 1, 2], 4).ids())
+        >>> q, prev, nxt = Linked.of([3, 1, 2], 4)
+        >>> q.ids(nxt)
         [3, 1, 2]
         """
         s = num_blocks
@@ -186,52 +185,46 @@ class Linked:
             prev[b], nxt[last] = last, b
             last = b
         nxt[last], prev[s] = s, last
-        return cls(atomic(pvector(prev)), atomic(pvector(nxt)), len(ids))
+        return cls(len(ids), (), s), prev, nxt
 
-    def ids(self) -> Iterator[int]:
-        """The ids front to back (O(count); markers skipped)."""
+    def ids(self, nxt: Sequence[int]) -> list[int]:
+        """The ids front to back over the links ``nxt`` (O(count); markers skipped)."""
         s = self.sentinel
-        return (b for b in _walk(self.next, s) if b < s)
+        return [b for b in _walk(nxt, s) if b < s]
 
-    def layout(self) -> tuple[Any, ...]:
+    def layout(self, nxt: Sequence[int]) -> tuple[Any, ...]:
         """The whole order, markers shown as ``("priority", p)`` (for equality and checks).
 
-        >>> q = Linked.of([1, 2], 3).copy()
-        >>> q.push_back([0], 4, cached=[None, None, b"k"])  # block 2 caches something
-        >>> q.frozen().layout()
+        >>> q, prev, nxt = Linked.of([1, 2], 3)
+        >>> w = q.copy(prev, nxt, [])
+        >>> w.push_back([0], 4, cached=[None, None, b"k"])  # block 2 caches something
+        >>> w.frozen().layout(nxt)
         (1, ('priority', 0), 2, ('priority', 4), 0)
         """
         s, marks = self.sentinel, {m: p for p, m in self.levels}
-        return tuple(b if b < s else ("priority", marks[b]) for b in _walk(self.next, s))
+        return tuple(b if b < s else ("priority", marks[b]) for b in _walk(nxt, s))
 
-    def copy(self) -> LinkedCopy:
-        """A working copy (the link vectors turn into evolvers on first write)."""
-        return LinkedCopy(self)
+    def copy(self, prev: list[int], nxt: list[int], log: list[Any]) -> LinkedCopy:
+        """A working copy writing the links ``prev`` / ``nxt`` and logging to ``log``."""
+        return LinkedCopy(self, prev, nxt, log)
 
 
 class LinkedCopy:
-    """The working copy of a :class:`Linked` queue."""
+    """The working copy of a :class:`Linked` queue: it writes the store's links in place,
+    logging each entry's old value first (:mod:`kvfunc.core._lineage`)."""
 
-    __slots__ = ("count", "levels", "next", "prev", "sentinel", "src", "writable")
+    __slots__ = ("count", "levels", "log", "next", "prev", "sentinel", "src")
 
-    def __init__(self, queue: Linked) -> None:
+    def __init__(self, queue: Linked, prev: list[int], nxt: list[int], log: list[Any]) -> None:
         self.src = queue
-        self.prev: Any = queue.prev
-        self.next: Any = queue.next
+        self.prev, self.next = prev, nxt
+        self.log = log.append
         self.count = queue.count
         self.levels = queue.levels
         self.sentinel = queue.sentinel
-        self.writable = False
-
-    def _write(self) -> None:
-        self.prev, self.next, self.writable = self.prev.evolver(), self.next.evolver(), True
-        if watching():  # see ``kvfunc.core._untracked``: the collector skips them
-            watch(self.prev, self.next)
 
     def pop(self, n: int) -> list[int]:
         """The ``n`` blocks at the front (the caller checked ``n <= count``)."""
-        if not self.writable:
-            self._write()
         nxt, s = self.next, self.sentinel
         out: list[int] = []
         b = nxt[s]
@@ -245,8 +238,11 @@ class LinkedCopy:
         for _ in range(n):
             out.append(b)
             b = nxt[b]
+        prev, log = self.prev, self.log
+        log((NEXT, s, nxt[s]))
         nxt[s] = b
-        self.prev[b] = s
+        log((PREV, b, prev[b]))
+        prev[b] = s
         self.count -= n
         return out
 
@@ -266,8 +262,6 @@ class LinkedCopy:
         if not priority and not self.levels:
             self._link(self.prev[self.sentinel], ids)
             return
-        if not self.writable:
-            self._write()
         levels = self.levels or self._first_level(cached)
         following = next((m for p, m in levels if p > priority), self.sentinel)
         if all(p != priority for p, _ in levels):
@@ -283,34 +277,52 @@ class LinkedCopy:
         return self.levels
 
     def _add_marker(self, priority: int, before: int) -> None:
-        """Link a marker for ``priority`` right before node ``before``."""
+        """Link a new marker node for ``priority`` right before node ``before``."""
         prev, nxt = self.prev, self.next
         m, after = len(nxt), prev[before]
-        prev.append(after)
+        prev.append(after)  # a rollback cuts the links back to their length
         nxt.append(before)
-        nxt[after] = prev[before] = m
+        self.log((NEXT, after, nxt[after]))
+        nxt[after] = m
+        self.log((PREV, before, prev[before]))
+        prev[before] = m
         self.levels = tuple(sorted((*self.levels, (priority, m))))
 
     def _link(self, last: int, ids: Sequence[int]) -> None:
         """Link ``ids``, in order, between block ``last`` (or the sentinel) and its next."""
-        if not self.writable:
-            self._write()
-        prev, nxt = self.prev, self.next
+        prev, nxt, log = self.prev, self.next, self.log
         following = nxt[last]
         for b in ids:
-            prev[b], nxt[last] = last, b
+            log((PREV, b, prev[b]))
+            prev[b] = last
+            log((NEXT, last, nxt[last]))
+            nxt[last] = b
             last = b
-        nxt[last], prev[following] = following, last
+        log((NEXT, last, nxt[last]))
+        nxt[last] = following
+        log((PREV, following, prev[following]))
+        prev[following] = last
         self.count += len(ids)
 
     def remove(self, b: int) -> None:
         """Take block ``b`` out of the middle of the queue (it must be queued)."""
-        if not self.writable:
-            self._write()
         prev, nxt = self.prev, self.next
         p, n = prev[b], nxt[b]
-        nxt[p], prev[n] = n, p
+        self.log((NEXT, p, nxt[p]))
+        nxt[p] = n
+        self.log((PREV, n, prev[n]))
+        prev[n] = p
         self.count -= 1
+
+    def relink(self, ids: Sequence[int]) -> None:
+        """The queue holding exactly ``ids``, in order, with no markers (their nodes unlinked)."""
+        s, prev, nxt = self.sentinel, self.prev, self.next
+        self.log((NEXT, s, nxt[s]))
+        nxt[s] = s
+        self.log((PREV, s, prev[s]))
+        prev[s] = s
+        self.count, self.levels = 0, ()
+        self._link(s, ids)
 
     def ids(self) -> list[int]:
         """The ids front to back (O(count); for checks)."""
@@ -319,15 +331,14 @@ class LinkedCopy:
 
     def frozen(self) -> Linked:
         """The queue as a value."""
-        if self.writable:
-            if open_evolvers:
-                forget(self.prev, self.next)
-            self.src = Linked(self.prev.persistent(), self.next.persistent(), self.count,
-                              self.levels)
-            if watching():
-                untrack(self.src.prev, self.src.next)
-            self.prev, self.next, self.writable = self.src.prev, self.src.next, False
-        return self.src
+        src = self.src
+        if self.count != src.count or self.levels is not src.levels:
+            src = self.src = Linked(self.count, self.levels, self.sentinel)
+        return src
+
+    def rebind(self, queue: Linked, log: list[Any]) -> None:
+        """Go on from ``queue`` over the same links with another log (a new transition)."""
+        self.src, self.log = queue, log.append
 
 
 def _walk(nxt: Any, s: int) -> list[int]:

@@ -24,6 +24,7 @@ from kvfunc.core._checks import excerpt, is_priority, is_request_id
 from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, BlocksChanged
 from kvfunc.core._errors import InvalidTypeError, ReplayMismatchError, UnknownRequestError
 from kvfunc.core._group import GroupCopy
+from kvfunc.core._lineage import REFS
 from kvfunc.core._ops import (
     Appended,
     Cleared,
@@ -80,8 +81,12 @@ def replay(state: KVState, deltas: Iterable[BlocksChanged]) -> KVState:
         msg = f"deltas must be an iterable of BlocksChanged, got {excerpt(deltas)}"
         raise InvalidTypeError(msg)
     tr = Transient(state)
-    for n, delta in enumerate(deltas):
-        apply_delta_into(tr, delta, n)
+    try:
+        for n, delta in enumerate(deltas):
+            apply_delta_into(tr, delta, n)
+    except BaseException:
+        tr.abort()
+        raise
     return tr.freeze()
 
 
@@ -192,8 +197,9 @@ def _drop_holder(g: GroupCopy, b: int, pending: list[int]) -> None:
     pool = g.pool
     if pool.linked:
         pool.writing()
-        r = pool.refs[b] - 1
-        pool.refs[b] = r
+        r = pool.refs[b]
+        pool.log.append((REFS, b, r))  # logged before written (``kvfunc.core._lineage``)
+        pool.refs[b] = r = r - 1
         if r:
             return
     pending.append(b)

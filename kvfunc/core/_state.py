@@ -192,7 +192,7 @@ class KVState:
     @property
     def prefix_caching(self) -> bool:
         """True when the state was created with ``enable_prefix_caching``."""
-        return bool(self.pools) and self.pools[0].hash_of is not None  # all pools, or none
+        return bool(self.pools) and self.pools[0].caching  # all pools, or none
 
     @property
     def layout(self) -> str:

@@ -14,6 +14,11 @@ The working copy a transition used is left with the state it made
 transition on it (the newest of its lineage, which is what an engine
 drives) goes on with them instead of copying again (:meth:`Transient.open`).
 A transition on any other state starts a fresh working copy.
+
+A linked pool's working copy claims its store when the transient opens
+(:mod:`kvfunc.core._lineage`), so that everything the transition reads is
+its own; :meth:`freeze` gives every store back, and :meth:`abort` gives them
+back with the transition's writes undone.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ class Transient:
         self.pool_copies: list[PoolCopy | None] | None = None
         self.touched: list[int] = []  # the groups this transition wrote to, in order
         self.epoch = 0  # counts the working copies made (what ``views`` reads from changed)
+        if state.pools and state.pools[0].ver is not None:  # claim every store at once
+            for j in range(len(state.pools)):
+                self.pool(j)
 
     @classmethod
     def open(cls, state: KVState, sink: DeltaBuilder) -> Transient:
@@ -75,6 +83,9 @@ class Transient:
             except IndexError:  # another transition took it first
                 return cls(state, sink)
             tr.sink = sink  # parked by :meth:`settle`: it reads exactly ``state``
+            for p in tr.pool_copies or ():
+                if p is not None:
+                    p.reopen()
             return tr
         return cls(state, sink)
 
@@ -87,6 +98,12 @@ class Transient:
         else:  # two transitions that changed nothing may both park here: either will do
             cont.append(self)
         return state
+
+    def abort(self) -> None:
+        """Give every store claimed back with this transition's writes undone (it raised)."""
+        for p in self.pool_copies or ():
+            if p is not None:
+                p.abort()
 
     def copy(self, i: int) -> GroupCopy:
         """The working copy of group ``i``, to write to (made on first use, with its pool's)."""
@@ -136,10 +153,14 @@ class Transient:
         return self.copy(self.index(key))
 
     def freeze(self) -> KVState:
-        """The current state as a value (the input state when nothing changed)."""
+        """The current state as a value (the input state when nothing changed); every
+        store claimed is given back."""
         touched = self.touched
         src = self.src
         if not touched:
+            for p in self.pool_copies or ():
+                if p is not None:
+                    p.freeze()
             return src
         self.touched = []
         copies, pool_copies, group_pool = self.copies, self.pool_copies, self.group_pool
@@ -152,6 +173,9 @@ class Transient:
             j = group_pool[i]
             p = pools[j] = pool_copies[j].freeze()
             changed = changed or g is not src.groups[i] or p is not src.pools[j]
+        for j, p in enumerate(pool_copies):
+            if p is not None and p.log is not None:  # a pool no group wrote to
+                pools[j] = p.freeze()
         if not changed:
             return src
         state = object.__new__(KVState)

@@ -94,13 +94,17 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
         return same
     sink = DeltaBuilder()
     tr = Transient.open(state, sink)
-    if (lookahead_tokens.__class__ is int and reserved_tokens.__class__ is int
-            and not reserved_tokens and manager_keys is None and prefix_hit is None):
-        refused = fold(tr, ((request_id, computed_tokens, num_new_tokens),), None,
-                       lookahead_tokens, block_hashes)
-    else:
-        refused = fold(tr, ((request_id, computed_tokens, num_new_tokens, lookahead_tokens,
-                             reserved_tokens, manager_keys, block_hashes, prefix_hit),))
+    try:
+        if (lookahead_tokens.__class__ is int and reserved_tokens.__class__ is int
+                and not reserved_tokens and manager_keys is None and prefix_hit is None):
+            refused = fold(tr, ((request_id, computed_tokens, num_new_tokens),), None,
+                           lookahead_tokens, block_hashes)
+        else:
+            refused = fold(tr, ((request_id, computed_tokens, num_new_tokens, lookahead_tokens,
+                                 reserved_tokens, manager_keys, block_hashes, prefix_hit),))
+    except BaseException:
+        tr.abort()
+        raise
     if refused:
         kept = tr.settle()  # a refusal changed nothing: the working copy still reads ``state``
         assert kept is state, "a refused allocation changed the state"
@@ -149,7 +153,11 @@ def allocate_batch(state: KVState, requests: Iterable[Any], *, lookahead_tokens:
         raise InvalidTypeError(msg)
     sink = DeltaBuilder()
     tr = Transient.open(state, sink)
-    refused = fold(tr, requests, block_hashes, lookahead_tokens)
+    try:
+        refused = fold(tr, requests, block_hashes, lookahead_tokens)
+    except BaseException:
+        tr.abort()
+        raise
     return BatchResult(tr.settle(), sink.build(), tuple(refused))
 
 
@@ -220,9 +228,13 @@ def free_request(state: KVState, request_id: RequestId, *,
     check_priority(priority)
     sink = DeltaBuilder()
     tr = Transient.open(state, sink)
-    if block_hashes is not None:
-        check_hashes(tr, block_hashes, False)
-    free_into(tr, request_id, keys, block_hashes, priority)
+    try:
+        if block_hashes is not None:
+            check_hashes(tr, block_hashes, False)
+        free_into(tr, request_id, keys, block_hashes, priority)
+    except BaseException:
+        tr.abort()
+        raise
     return tr.settle(), sink.build()
 
 
@@ -265,7 +277,11 @@ def recycle_skipped_blocks(state: KVState, request_id: RequestId, computed_token
     keys = check_manager_keys(manager_keys)
     sink = DeltaBuilder()
     tr = Transient(state, sink)
-    recycle_into(tr, request_id, min(computed, state.max_model_len), keys)
+    try:
+        recycle_into(tr, request_id, min(computed, state.max_model_len), keys)
+    except BaseException:
+        tr.abort()
+        raise
     return tr.freeze(), sink.build()
 
 

@@ -81,18 +81,20 @@ def state_snapshot(state: KVState) -> Snapshot:
                                                                  key=lambda kv: kv[1].seq)))
                    for g in state.groups)
     pools = tuple((p.name, p.members, p.num_blocks, p.free_block_ids(), p.num_free,
-                   _queue_cells(p.queue), None if p.refs is None else tuple(p.refs),
+                   _queue_cells(p), None if p.refs is None else tuple(p.refs),
                    None if p.hash_of is None else tuple(p.hash_of),
                    tuple(sorted(p.detached.items())))
                   for p in state.pools)
     return state.max_model_len, groups, pools, kf.format_usage(state)
 
 
-def _queue_cells(queue: Any) -> tuple[Any, ...]:
-    """Every cell of a free queue's value, so that a mutation of any of them shows."""
-    if hasattr(queue, "chunks"):
+def _queue_cells(pool: Any) -> tuple[Any, ...]:
+    """Every cell of a pool's free queue, so that a mutation of any of them shows."""
+    queue = pool.queue
+    if not pool.linked:
         return tuple(queue.chunks), queue.head, queue.count
-    return tuple(queue.prev), tuple(queue.next), queue.count, queue.levels
+    with pool.reading() as store:
+        return tuple(store.prev), tuple(store.next), queue.count, queue.levels
 
 
 def token_budget(state: KVState, max_tokens: int = 96) -> int:

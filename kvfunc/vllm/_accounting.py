@@ -43,9 +43,11 @@ def blocks_to_allocate(state: KVState, layout: Layout, request_id: str, num_toke
         skipped = 0 if window is None else max(0, total_computed_tokens - window + 1) // bs
         table = hit[i] if hit else ()
         total += max(need - max(skipped, len(table)), 0)
-        refs = state.pools[group.pool].refs
-        assert refs is not None  # the manager's states count references
-        total += sum(1 for b in table[skipped:] if b and not refs[b])
+        held_by = table[skipped:]
+        if any(held_by):
+            with state.pools[group.pool].reading() as store:  # the manager's pools are linked
+                refs = store.refs
+                total += sum(1 for b in held_by if b and not refs[b])
     return total
 
 
@@ -54,15 +56,17 @@ def estimate_cached_tokens(state: KVState, layout: Layout, request_id: str) -> i
     bs = layout.block_size
     cached: int | None = None
     for group in state.groups:
-        hash_of = state.pools[group.pool].hash_of
+        pool = state.pools[group.pool]
         table = group.table(request_id)
         tokens = 0
-        if hash_of is not None:
-            for p in range(len(table) - 1, -1, -1):
-                b = table[p]
-                if b and hash_of[b] is not None:
-                    tokens = (p + 1) * bs
-                    break
+        if pool.caching and table:
+            with pool.reading() as store:
+                hash_of = store.hash_of
+                for p in range(len(table) - 1, -1, -1):
+                    b = table[p]
+                    if b and hash_of[b] is not None:
+                        tokens = (p + 1) * bs
+                        break
         cached = tokens if cached is None else min(cached, tokens)
     return cached or 0
 
@@ -80,10 +84,11 @@ def fa_hit_tokens(state: KVState, layout: Layout, digests: Sequence[bytes], limi
         return 0
     pool = state.pools[state.group(key).pool]
     tag = pool.tag_of(key)
-    index = pool.by_key
     n = 0
-    for h in digests[:limit // layout.block_size]:
-        if index.get(h if tag is None else h + tag) is None:
-            break
-        n += 1
+    with pool.reading() as store:
+        index = store.by_key
+        for h in digests[:limit // layout.block_size]:
+            if index.get(h if tag is None else h + tag) is None:
+                break
+            n += 1
     return n * layout.block_size

@@ -57,9 +57,11 @@ def entries(state: kf.KVState, layout: Layout, rid: str, processed: int, compute
     c = max(limit, processed)
     end = -(-(written + lookahead) // bs)
     for group, pool_index in ((g, g.pool) for g in state.groups):
-        refs = state.pools[pool_index].refs
-        table = group.table(rid)
-        if refs is not None and any(b and refs[b] > 1 for b in table[c // bs:end]):
-            return None  # B would copy a shared block: no exact split
+        pool, table = state.pools[pool_index], group.table(rid)
+        if pool.linked and table[c // bs:end]:
+            with pool.reading() as store:
+                refs = store.refs
+                if any(b and refs[b] > 1 for b in table[c // bs:end]):
+                    return None  # B would copy a shared block: no exact split
     return [kf.SlotRequest(rid, processed, 0, -processed, 0, windows),
             kf.SlotRequest(rid, c, written - c, lookahead, 0, None, hashes)]

@@ -1,0 +1,231 @@
+"""The per-block arrays a lineage of pool values shares: one mutable copy, and undo logs.
+
+Theory of operation
+-------------------
+A linked pool's per-block arrays -- reference counts (``refs``), cached
+keys (``hash_of``), the free queue's links (``prev``, ``next``) -- and its
+hash index (``by_key``) hold tens of thousands of entries, of which one
+transition writes a handful.  Persistent vectors and maps pay for each
+write (a path copy) and each freeze, and the collector walks every version
+they make.  Here the values of one *lineage* share a :class:`Store` of plain
+lists and one dict holding the newest value's contents, and each older value
+keeps an *undo log* that turns its newer neighbour back into itself (Baker's
+shallow binding; the links only ever point from older to newer)::
+
+    v0 --undo--> v1 --undo--> v2   (the head: the store holds its contents)
+
+* A :class:`Version` names one value; its :class:`Node` is the head of a
+  store (``store`` set) or an older link (``parent``: the next newer node,
+  ``undo``: its log).
+* A transition :func:`claim`\\ s the store of the value it starts from.  When
+  that value is the head and nobody holds the store, the transition writes
+  the store in place, logging each entry's old value before writing it, and
+  :func:`commit` makes a new head and gives the log to the old one.
+  Otherwise it *forks*: the store is copied and the copy rolled back to the
+  value (the holder's pending log first, then each log on the way), and the
+  transition works on that copy, which its new value heads.
+* A read outside a transition (:func:`reading`) holds the module's lock, so
+  that no claim lands meanwhile, and reads the store in place when the value
+  is its head and nobody holds it, else a fork.
+* A transition that fails rolls its log back (:func:`abort`).  One that
+  never ends leaves the store held: later transitions fork, which costs a
+  copy but never gives a wrong value.
+* Old values that are still held keep the logs between them alive.  Once a
+  store has logged as many entries as it holds, the held ones whose logs to
+  the next held value are longer than that get contents of their own
+  (:func:`_compact`), so an old snapshot kept for ever costs one copy, and a
+  run that keeps every value costs only what changed.
+
+A store's writer takes no lock: the GIL makes each list or dict operation
+atomic, and it logs before it writes, so a fork that copies the arrays
+first and the pending log second always finds a log entry for every write
+it copied.  Everything else happens under the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["KEYS", "LOCK", "MISSING", "NEXT", "PREV", "REFS", "SLOTS", "Node", "Store", "Version",
+           "abort", "claim", "commit", "content", "materialize", "reading"]
+
+LOCK = threading.RLock()
+#: What a log entry ``(part, index or key, old value)`` wrote: refs, hash_of, prev, next, by_key.
+REFS, SLOTS, PREV, NEXT, KEYS = range(5)
+MISSING: Any = object()  # a key's old value when it was not in the index
+#: A store compacts after logging ``max(COMPACT_MIN, its entries)`` entries.
+COMPACT_MIN = 4096
+
+
+class Store:
+    """The contents of one value of a lineage (see the module docstring).
+
+    ``refs``, ``hash_of`` (None without caching), ``prev`` and ``next`` are
+    lists; ``by_key`` is a dict (None without caching); ``txn`` is the log of
+    the transition holding the store, if any.
+    """
+
+    __slots__ = ("by_key", "count", "hash_of", "held", "marks", "next", "prev", "refs", "size",
+                 "txn")
+
+    def __init__(self, refs: list[int], hash_of: list[Any] | None, prev: list[int],
+                 nxt: list[int], by_key: dict[bytes, Any] | None) -> None:
+        self.refs, self.hash_of, self.by_key = refs, hash_of, by_key
+        self.prev, self.next = prev, nxt
+        self.txn: list[Any] | None = None  # the holder's log
+        self.size = len(nxt)  # the links' length when the holder began
+        self.count = 0  # entries logged here so far
+        self.marks = 0  # ``count`` at the last compaction
+        self.held: list[tuple[Any, int]] = []  # (weak version, count when it got its log)
+
+    def entries(self) -> int:
+        """Entries held: the size a copy costs."""
+        return len(self.refs) + len(self.prev) * 2 + (len(self.by_key) if self.by_key else 0)
+
+
+class Node:
+    """A link of a lineage: a store's head, or ``parent``'s contents undone by ``undo``
+    (then cut to ``size`` links)."""
+
+    __slots__ = ("parent", "size", "store", "undo")
+
+    def __init__(self, store: Store | None) -> None:
+        self.store = store
+        self.parent: Node | None = None
+        self.undo: list[Any] | None = None
+        self.size = 0
+
+
+class Version:
+    """One value of a lineage, as a pool holds it: its :class:`Node`.
+
+    The chain of nodes keeps older nodes' newer neighbours alive; a version
+    is alive only while a value holds it, which is what compaction asks.
+    """
+
+    __slots__ = ("__weakref__", "node")
+
+    def __init__(self, store: Store | None) -> None:
+        self.node = Node(store)
+
+    @property
+    def store(self) -> Store | None:
+        """The store this version heads, if it is a head."""
+        return self.node.store
+
+
+def _roll_back(s: Store, log: list[Any], size: int) -> None:
+    """Undo ``log`` on ``s`` (latest entry first), then cut its links to ``size``."""
+    parts = (s.refs, s.hash_of, s.prev, s.next)
+    index = s.by_key
+    for c, i, old in reversed(log):
+        if c != KEYS:
+            parts[c][i] = old  # type: ignore[index]
+        elif old is MISSING:
+            index.pop(i, None)  # type: ignore[union-attr]  # a key the index did not have
+        else:
+            index[i] = old  # type: ignore[index]
+    del s.prev[size:], s.next[size:]
+
+
+def materialize(v: Version) -> Store:
+    """A new store holding ``v``'s contents, held by nobody (call under :data:`LOCK`)."""
+    chain = []
+    node = v.node
+    while node.store is None:
+        chain.append(node)
+        node = node.parent  # type: ignore[assignment]
+    src = node.store
+    out = Store(list(src.refs), None if src.hash_of is None else list(src.hash_of),
+                list(src.prev), list(src.next), None if src.by_key is None else dict(src.by_key))
+    pending = src.txn
+    if pending is not None:  # copied after the arrays: every write copied is in it
+        _roll_back(out, list(pending), src.size)
+    for older in reversed(chain):
+        _roll_back(out, older.undo, older.size)  # type: ignore[arg-type]
+    out.size = len(out.next)
+    return out
+
+
+def claim(v: Version) -> tuple[Store, list[Any]]:
+    """The store a transition from ``v`` writes, held by its new log (a fork if need be).
+
+    The transition logs ``(part, index or key, old value)`` before each write
+    (``part``: :data:`REFS` ... :data:`KEYS`; :data:`MISSING`: a key the index
+    did not have).
+    """
+    with LOCK:
+        s = v.node.store
+        if s is None or s.txn is not None:
+            s = materialize(v)
+        log: list[Any] = []
+        s.txn, s.size = log, len(s.next)
+        return s, log
+
+
+def commit(s: Store, log: list[Any], base: Version) -> Version:
+    """End the transition holding ``s``: the version of its result (``base``'s successor)."""
+    with LOCK:
+        s.txn = None
+        new = Version(s)
+        old = base.node
+        if old.store is s:  # it started from the head: the old head keeps the log
+            old.store, old.parent, old.undo, old.size = None, new.node, log, s.size
+            s.count += len(log) + 1
+            s.held.append((weakref.ref(base), s.count))
+            if s.count - s.marks > COMPACT_MIN and s.count - s.marks > s.entries():
+                _compact(s)
+        return new
+
+
+def abort(s: Store, log: list[Any]) -> None:
+    """End the transition holding ``s`` with nothing written (its log rolled back)."""
+    with LOCK:
+        if s.txn is log:
+            if log or len(s.next) != s.size:
+                _roll_back(s, log, s.size)
+            s.txn = None
+
+
+def _compact(s: Store) -> None:
+    """Give a store of its own to each held old value whose logs outweigh a copy."""
+    size = s.entries()
+    live = [(v, at) for ref, at in s.held if (v := ref()) is not None and v.node.store is None]
+    keep = []
+    for k, (v, at) in enumerate(live):  # oldest first: its logs run up to the next one held
+        upto = live[k + 1][1] if k + 1 < len(live) else s.count
+        if upto - at > size:
+            v.node = Node(materialize(v))  # older nodes still link through the old one
+        else:
+            keep.append((weakref.ref(v), at))
+    s.held, s.marks = keep, s.count
+
+
+def content(v: Version) -> Store:
+    """A store holding ``v``'s contents to read (call under :data:`LOCK`, read under it)."""
+    s = v.node.store
+    return s if s is not None and s.txn is None else materialize(v)
+
+
+@contextmanager
+def reading(v: Version) -> Iterator[Store]:
+    """The contents of ``v`` to read (not write), kept from any claim while the block runs.
+
+    >>> s = Store([0, 1], None, [2, 2, 2], [2, 2, 2], None)
+    >>> head = Version(s)
+    >>> store, log = claim(head)
+    >>> log.append((REFS, 1, store.refs[1])); store.refs[1] = 5
+    >>> with reading(head) as seen:  # the pending write is not part of ``head``
+    ...     seen.refs
+    [0, 1]
+    >>> new = commit(store, log, head)
+    >>> with reading(new) as a, reading(head) as b:
+    ...     a.refs, b.refs
+    ([0, 5], [0, 1])
+    """
+    with LOCK:
+        yield content(v)

@@ -1,0 +1,201 @@
+"""A lineage's shared store (``kvfunc.core._lineage``): old values stay values.
+
+A transition from the newest state writes the pool's lists in place and
+logs what it overwrote; older states read through those logs, branches
+fork, a transition that raises undoes its writes, and held old states are
+compacted.  Every check compares contents with a twin run that never
+shares: the same program replayed from a fresh state.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any
+
+import pytest
+
+import kvfunc as kf
+from kvfunc.core import _lineage
+from kvfunc.core._lineage import Store, Version, claim, commit, content, materialize, reading
+
+
+def _state(n: int = 32) -> kf.KVState:
+    return kf.KVState.create({"full": kf.FullAttention(num_blocks=n, block_size=4),
+                              "swa": kf.SlidingWindow(num_blocks=n, block_size=4,
+                                                      sliding_window=8)},
+                             256, enable_prefix_caching=True, layout="shared")
+
+
+def _steps(k: int) -> list[tuple[str, str, int]]:
+    """A program: admissions of prompts sharing prefixes, decode steps and frees."""
+    out: list[tuple[str, str, int]] = []
+    for i in range(k):
+        rid = f"r{i % 5}"
+        out.append(("admit", rid, 8 + 4 * (i % 3)))
+        out.append(("decode", rid, 5))
+        if i % 2:
+            out.append(("free", rid, 0))
+    return out
+
+
+def _run(state: kf.KVState, steps: list[tuple[str, str, int]]) -> list[kf.KVState]:
+    """Every state the program goes through (a request already running is freed first)."""
+    states = [state]
+    running: dict[str, int] = {}
+    for op, rid, n in steps:
+        if op == "admit":
+            if any(g.row(rid) is not None for g in state.groups):
+                state = kf.free_request(state, rid)[0]
+            tokens = [ord(rid[-1]) % 2 * 100 + t for t in range(n)]
+            h = kf.BlockHashes.of(tokens, 4)
+            hit = kf.lookup_prefix(state, h, max_tokens=n - 1)
+            r = kf.allocate_slots(state, rid, hit.num_tokens, n - hit.num_tokens,
+                                  block_hashes=h, prefix_hit=hit)
+            if r.ok:
+                state, running[rid] = r.state, n
+        elif op == "decode" and rid in running:
+            for _ in range(n):
+                r = kf.allocate_slots(state, rid, running[rid], 1)
+                if r.ok:
+                    state, running[rid] = r.state, running[rid] + 1
+        elif op == "free" and rid in running:
+            state = kf.free_request(state, rid)[0]
+            del running[rid]
+        states.append(state)
+    return states
+
+
+def _contents(state: kf.KVState) -> Any:
+    return [p.identity() for p in state.pools], [g.identity() for g in state.groups]
+
+
+def test_every_old_state_of_a_run_reads_as_it_was_made() -> None:
+    states = _run(_state(), _steps(24))
+    seen = [_contents(s) for s in states]  # read once each, in order, as it was made
+    twins = _run(_state(), _steps(24))
+    assert [_contents(s) for s in reversed(states)] == seen[::-1]  # read again, newest first
+    assert [_contents(s) for s in twins] == seen
+    for s in states[::5]:
+        kf.check_invariants(s)
+
+
+def test_a_linear_run_writes_one_store_in_place() -> None:
+    states = _run(_state(), _steps(12))
+    stores = {id(s.pools[0].ver.store) for s in states if s.pools[0].ver.store is not None}
+    assert len(stores) == 1 and states[-1].pools[0].ver.store is not None
+
+
+def test_branches_from_one_state_never_see_each_other() -> None:
+    base = _run(_state(), _steps(6))[-1]
+    before = _contents(base)
+    a = _run(base, _steps(9))[-1]
+    b = _run(base, [("admit", "x", 12), ("decode", "x", 9)])[-1]
+    a2 = _run(base, _steps(9))[-1]  # the first branch again, from the same old state
+    assert _contents(base) == before
+    assert _contents(a) == _contents(a2) != _contents(b)
+    for s in (base, a, b, a2):
+        kf.check_invariants(s)
+
+
+def test_a_transition_that_raises_undoes_its_writes() -> None:
+    state = _run(_state(), _steps(6))[-1]
+    before = _contents(state)
+    h = kf.BlockHashes.of(list(range(12)), 4)
+    good = ("z", 0, 12, 0, 0, None, h, None)
+    with pytest.raises(kf.InvalidTypeError):
+        kf.allocate_batch(state, [good, ("y", 0, "nine")])  # the first entry wrote blocks
+    assert _contents(state) == before
+    store = state.pools[0].ver.store
+    assert store is not None and store.txn is None  # still the head, and free to write
+    r = kf.allocate_batch(state, [good])
+    assert r.state.pools[0].ver.store is store and not r.refused
+    kf.check_invariants(r.state)
+
+
+def test_a_transition_left_open_only_costs_a_fork() -> None:
+    state = _run(_state(), _steps(6))[-1]
+    before = _contents(state)
+    store, log = claim(state.pools[0].ver)  # claimed and never given back
+    log.append((_lineage.REFS, 1, store.refs[1]))
+    store.refs[1] += 7
+    assert _contents(state) == before  # a read rolls the pending write back on a copy
+    after = _run(state, _steps(4))[-1]
+    assert after.pools[0].ver.store is not store
+    assert _contents(after) == _contents(_run(_run(_state(), _steps(6))[-1], _steps(4))[-1])
+    kf.check_invariants(after)
+
+
+def test_an_old_state_kept_while_the_run_goes_on_gets_its_own_store(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_lineage, "COMPACT_MIN", 16)
+    states = _run(_state(16), _steps(16))
+    kept, want, newest = states[2], _contents(states[2]), states[-1]
+    del states  # the logs from ``kept`` to ``newest`` now serve ``kept`` alone
+    later = _run(newest, _steps(40))  # every state held: their logs are short
+    gc.collect()
+    assert kept.pools[0].ver.store is not None  # materialized: no log chain held
+    assert kept.pools[0].ver.node.parent is None and kept.pools[0].ver.node.undo is None
+    assert _contents(kept) == want
+    twins = _run(_run(_state(16), _steps(16))[-1], _steps(40))
+    assert [_contents(s) for s in later] == [_contents(s) for s in twins]
+    kf.check_invariants(later[-1])
+
+
+def test_compaction_keeps_states_whose_logs_are_short() -> None:
+    s = Store([0] * 4, None, [4] * 5, [4] * 5, None)
+    versions = [Version(s)]
+    for i in range(40):  # one write each: every old version is cheap to keep
+        store, log = claim(versions[-1])
+        log.append((_lineage.REFS, i % 4, store.refs[i % 4]))
+        store.refs[i % 4] += 1
+        versions.append(commit(store, log, versions[-1]))
+    assert all(v.store is None for v in versions[:-1])  # none copied: their logs are short
+    for i, v in enumerate(versions):
+        with reading(v) as seen:
+            assert sum(seen.refs) == i
+
+
+def test_a_fork_reads_past_a_pending_write_in_any_order() -> None:
+    s = Store([0, 0, 0], [None] * 3, [3] * 4, [3] * 4, {b"k": 1})
+    head = Version(s)
+    store, log = claim(head)
+    # a writer logs before it writes; a fork may copy between the two
+    log.append((_lineage.REFS, 2, 0))
+    log.append((_lineage.KEYS, b"k", 1))
+    log.append((_lineage.KEYS, b"new", _lineage.MISSING))
+    with _lineage.LOCK:
+        early = content(head)
+    store.refs[2] = 9
+    store.by_key[b"k"] = 2
+    store.by_key[b"new"] = 0
+    store.prev.append(0)  # a marker node appended
+    late = materialize(head)
+    for seen in (early, late):
+        assert (seen.refs, seen.by_key, len(seen.prev)) == ([0, 0, 0], {b"k": 1}, 4)
+    _lineage.abort(store, log)
+    assert (store.refs, store.by_key, len(store.prev), store.txn) == ([0, 0, 0], {b"k": 1}, 4,
+                                                                       None)
+
+
+def test_threads_reading_and_writing_one_lineage_agree_with_a_lone_run() -> None:
+    base = _run(_state(), _steps(6))[-1]
+    want = _contents(_run(base, _steps(8))[-1])
+    fixed = _contents(base)
+    results: list[Any] = [None] * 4
+    barrier = threading.Barrier(4, timeout=30)
+
+    def work(i: int) -> None:
+        barrier.wait()
+        if i % 2:
+            results[i] = _contents(_run(base, _steps(8))[-1])
+        else:
+            results[i] = [_contents(base) for _ in range(20)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results[1] == results[3] == want
+    assert all(seen == fixed for seen in results[0] + results[2])
