@@ -24,7 +24,8 @@ import immutables
 
 from kvfunc.core._delta import COPY_SAVED, DeltaBuilder
 from kvfunc.core._policy import KEEPS_ALL, Policy, row_limits, skip_mode
-from kvfunc.core._pool import PoolCopy, cache_key
+from kvfunc.core._pool import cache_key
+from kvfunc.core._pool_copy import PoolCopy
 from kvfunc.core._rows import (
     Row,
     TablesView,

@@ -10,7 +10,7 @@ from kvfunc.core._checks import check_count, check_manager_keys, check_request_i
 from kvfunc.core._delta import DeltaBuilder, family_rows
 from kvfunc.core._fold import fold, quiet, slot_entry
 from kvfunc.core._group import GroupCopy
-from kvfunc.core._pool import PoolCopy
+from kvfunc.core._pool_copy import PoolCopy
 from kvfunc.core._rows import Row, row_table
 from kvfunc.core._sizing import calculate_block_num_lazy
 from kvfunc.core._state import FrozenDict, group_cache_entries, usage_string

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvfunc.core._delta import DeltaBuilder
 from kvfunc.core._group import GroupCopy
-from kvfunc.core._pool import PoolCopy
+from kvfunc.core._pool_copy import PoolCopy
 from kvfunc.core._state import KVState, find_group
 
 __all__ = ["Transient"]

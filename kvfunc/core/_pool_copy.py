@@ -1,0 +1,300 @@
+"""The working copy of a block pool: what one transition edits (see :mod:`kvfunc.core._pool`).
+
+A linked pool's copy claims its lineage's store when it is made
+(:func:`~kvfunc.core._lineage.claim`: the store itself when the pool is its
+head and nobody holds it, else a fork), writes the store's lists and dict in
+place, logging each entry's old value first, and gives the store back when
+it freezes (:func:`~kvfunc.core._lineage.commit`: a new head) or aborts
+(the writes rolled back).  A seed pool's copy edits its ring's copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvfunc.core._delta import DeltaBuilder
+from kvfunc.core._lineage import KEYS, MISSING, REFS, SLOTS, Store, abort, claim, commit
+from kvfunc.core._pool import PoolState
+
+__all__ = ["PoolCopy"]
+
+
+class PoolCopy:
+    """The working copy of a :class:`PoolState` (see the module docstring).
+
+    A linked pool's copy holds its store (``store``, claimed with ``log``)
+    from when it is made until :meth:`freeze` or :meth:`abort`; a copy left
+    with a state for the next transition claims it again (:meth:`reopen`).
+    """
+
+    __slots__ = ("by_key", "caching", "detached", "hash_of", "linked", "log", "members",
+                 "num_blocks", "num_cached", "queue", "refs", "sink", "src", "store", "tagged",
+                 "writable")
+
+    def __init__(self, pool: PoolState, sink: DeltaBuilder | None) -> None:
+        self.src = pool
+        self.num_blocks = pool.num_blocks
+        self.members = pool.members
+        self.tagged = len(pool.members) > 1
+        self.linked = pool.ver is not None
+        self.caching = pool.caching
+        self.num_cached = pool.num_cached
+        self.detached: Any = pool.detached
+        self.sink = sink
+        self.writable = False
+        self.store: Store | None = None
+        self.log: Any = None  # the claim's log (a list), while the store is held
+        self.refs: Any = None
+        self.hash_of: Any = None
+        self.by_key: Any = None
+        self.queue: Any = None
+        if pool.ver is None:
+            self.queue = pool.queue.copy()
+        else:
+            self._claim()
+
+    def _claim(self) -> None:
+        pool = self.src
+        store, log = claim(pool.ver)  # type: ignore[arg-type]
+        if store is not self.store:
+            self.store = store
+            self.refs = store.refs
+            self.hash_of = store.hash_of
+            self.by_key = store.by_key
+            self.queue = pool.queue.copy(store.prev, store.next, log)
+        else:
+            self.queue.rebind(pool.queue, log)
+        self.log = log
+
+    def reopen(self) -> None:
+        """Claim the store again, for a transition going on from :attr:`src`."""
+        if self.log is None and self.linked:
+            self._claim()
+
+    @property
+    def count(self) -> int:
+        """Free blocks now."""
+        return self.queue.count  # type: ignore[no-any-return]
+
+    def writing(self) -> None:
+        """Note that this transition writes the pool."""
+        self.writable = True
+
+    # -- the free queue ---------------------------------------------------------------
+    def take(self, n: int) -> list[int]:
+        """Pop ``n`` free blocks for one holder each, evicting what they cache (caller checked)."""
+        self.writable = True
+        out: list[int] = self.queue.pop(n)
+        if self.linked:
+            refs, log = self.refs, self.log.append
+            for b in out:
+                log((REFS, b, 0))  # a free block has no holder
+                refs[b] = 1
+            if self.num_cached:
+                hash_of = self.hash_of
+                if cached := [b for b in out if hash_of[b] is not None]:
+                    self._evict_run(cached)
+        return out
+
+    def free(self, ids: Sequence[int], key: str, priority: int = 0) -> None:
+        """Return blocks nobody holds to the queue; cached ones wait at ``priority`` (Y, F rows)."""
+        if not ids:
+            return
+        self.writable = True
+        queue, sink = self.queue, self.sink
+        if priority and self.caching and sink is not None:
+            sink.rows.append((key, priority))
+            sink.codes.append("Y")
+        if not self.linked:
+            queue.push_back(ids)
+        elif self.hash_of is None or not self.num_cached:
+            queue.push_front(ids)
+        else:  # cached blocks go to the back (evicted last), the others to the front
+            hash_of = self.hash_of
+            front = [b for b in ids if hash_of[b] is None]
+            if len(front) < len(ids):
+                queue.push_back([b for b in ids if hash_of[b] is not None], priority, hash_of)
+            queue.push_front(front)
+        if sink is not None:  # in release order: replay frees the whole run at once
+            sink.rows.extend([(key, b) for b in ids])
+            sink.codes.append("F" * len(ids))
+
+    def release(self, ids: Sequence[int], key: str, priority: int = 0) -> None:
+        """Drop one holder of each block; free, in order, those that reach none."""
+        if not self.linked:
+            self.free(ids, key)
+            return
+        self.writable = True
+        refs, log = self.refs, self.log.append
+        if len(ids) == 1:
+            b = ids[0]
+            r = refs[b]
+            log((REFS, b, r))
+            refs[b] = r - 1
+            if r == 1:
+                self.free(ids, key, priority)
+            return
+        left = [refs[b] - 1 for b in ids]
+        for b, r in zip(ids, left, strict=True):
+            log((REFS, b, r + 1))
+            refs[b] = r
+        self.free([b for b, r in zip(ids, left, strict=True) if not r] if any(left) else ids,
+                  key, priority)
+
+    def share(self, entries: Sequence[int]) -> None:
+        """Add a holder to each non-null entry's block; a free one (cached) leaves the queue."""
+        self.writable = True
+        ids = [b for b in entries if b] if 0 in entries else entries
+        refs, queue, log = self.refs, self.queue, self.log.append
+        for b in ids:
+            r = refs[b]
+            if not r:
+                queue.remove(b)
+            log((REFS, b, r))
+            refs[b] = r + 1
+
+    def detach(self, ids: Sequence[int]) -> None:
+        """Count one holder of each block outside the tables (its table entry is gone)."""
+        detached = self.detached.mutate()
+        for b in ids:
+            detached[b] = detached.get(b, 0) + 1
+        self.detached = detached.finish()
+
+    def attach(self, ids: Sequence[int]) -> None:
+        """Forget one outside holder of each block (the caller checked they are detached)."""
+        detached = self.detached.mutate()
+        for b in ids:
+            n = detached[b] - 1
+            if n:
+                detached[b] = n
+            else:
+                del detached[b]
+        self.detached = detached.finish()
+
+    def free_ids(self) -> list[int]:
+        """Every free block in hand-out order (O(free); for checks and the compat pool)."""
+        return list(self.queue.ids())
+
+    # -- the hash index ---------------------------------------------------------------
+    def tag_of(self, member: str) -> bytes | None:
+        """The index tag of a member group (None when it is the only member)."""
+        return bytes((self.members.index(member),)) if self.tagged else None
+
+    def find(self, key: bytes) -> int | None:
+        """The first block cached under ``key``, or None."""
+        found = self.by_key.get(key)
+        if found is None or type(found) is int:
+            return found
+        first: int = found[0]
+        return first
+
+    def store_run(self, blocks: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Cache each block under its key (none of them holds anything cached)."""
+        self.writable = True
+        index, hash_of, log = self.by_key, self.hash_of, self.log
+        if len(keys) > 1 and not any(map(index.__contains__, keys)):
+            log.extend([(KEYS, k, MISSING) for k in keys])  # none cached yet: one update
+            index.update(zip(keys, blocks, strict=True))
+        else:
+            get = index.get
+            for b, key in zip(blocks, keys, strict=True):
+                found = get(key, MISSING)
+                log.append((KEYS, key, found))
+                index[key] = (b if found is MISSING else (found, b) if type(found) is int
+                              else (*found, b))
+        for b, key in zip(blocks, keys, strict=True):
+            log.append((SLOTS, b, hash_of[b]))
+            hash_of[b] = key
+        self.num_cached += len(blocks)
+
+    def _evict_run(self, blocks: list[int]) -> None:
+        """Forget what ``blocks`` cache; records their E rows, in order."""
+        index, hash_of, log = self.by_key, self.hash_of, self.log.append
+        keys = [hash_of[b] for b in blocks]
+        pop = index.pop
+        for b, key in zip(blocks, keys, strict=True):
+            found = index[key]
+            log((KEYS, key, found))
+            if type(found) is int:
+                pop(key)
+            else:  # copies of one key: keep the others
+                rest = tuple(x for x in found if x != b)
+                index[key] = rest[0] if len(rest) == 1 else rest
+            log((SLOTS, b, key))
+            hash_of[b] = None
+        self.num_cached -= len(blocks)
+        sink = self.sink
+        if sink is not None:
+            members, pairs = self.members, zip(blocks, keys, strict=True)
+            sink.rows.extend([(members[k[-1]], b, k[:-1]) for b, k in pairs] if self.tagged
+                             else [(members[0], b, k) for b, k in pairs])
+            sink.codes.append("E" * len(blocks))
+
+    def evict(self, b: int) -> bool:
+        """Forget what block ``b`` caches, held or free (vLLM's ``evict_blocks``); True if it did.
+
+        A free block keeps its place in the queue; a held block stays held.
+        """
+        if not self.caching or self.hash_of[b] is None:
+            return False
+        self.writable = True
+        self._evict_run([b])
+        return True
+
+    def drop(self, ids: Sequence[int], key: str) -> None:
+        """Let one detached holder of each block go (records X), freeing those nobody holds."""
+        sink = self.sink
+        if sink is not None:
+            sink.rows.extend([(key, b) for b in ids])
+            sink.codes.append("X" * len(ids))
+        self.attach(ids)
+        self.release(ids, key)
+
+    def clear(self) -> int:
+        """Forget every cached key (held blocks stay held); how many blocks were cached."""
+        self.writable = True
+        hash_of, index, log = self.hash_of, self.by_key, self.log
+        for b in [b for b in range(self.num_blocks) if hash_of[b] is not None]:
+            log.append((SLOTS, b, hash_of[b]))
+            hash_of[b] = None
+        log.extend([(KEYS, k, v) for k, v in index.items()])
+        index.clear()
+        n, self.num_cached = self.num_cached, 0
+        if self.queue.levels:  # nothing waits at a priority now: vLLM's queue, in its order
+            self.queue.relink(self.queue.ids())
+        return n
+
+    # -- freezing ---------------------------------------------------------------------
+    def freeze(self) -> PoolState:
+        """The pool as a value; the working copy goes on from it (claiming nothing)."""
+        src, store, log = self.src, self.store, self.log
+        queue = self.queue.frozen()
+        if store is None:  # a seed pool
+            if queue is src.queue and self.detached is src.detached:
+                return src
+            ver = None
+        elif log is None:  # frozen already, nothing claimed since
+            return src
+        else:
+            self.log = None
+            if not log and len(store.next) == store.size:
+                abort(store, log)  # nothing written: the store goes back as it was
+                if queue is src.queue and self.detached is src.detached:
+                    return src
+                ver = src.ver
+            else:
+                ver = commit(store, log, src.ver)  # type: ignore[arg-type]
+        self.writable = False
+        new = self.src = _new(PoolState, (src.name, src.members, src.num_blocks, queue, ver,
+                                          src.caching, self.num_cached, self.detached))
+        return new
+
+    def abort(self) -> None:
+        """Give the store back with every write of this transition undone."""
+        if self.log is not None:
+            abort(self.store, self.log)  # type: ignore[arg-type]
+            self.log = None
+
+
+_new = tuple.__new__
