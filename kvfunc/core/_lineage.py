@@ -50,12 +50,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["KEYS", "LOCK", "MISSING", "NEXT", "PREV", "REFS", "SLOTS", "Node", "Store", "Version",
-           "abort", "claim", "commit", "content", "materialize", "reading"]
+__all__ = ["EVICTED", "KEYS", "LOCK", "MISSING", "NEXT", "PREV", "REFS", "SLOTS", "STORED", "TAKEN",
+           "Node", "Store", "Version", "abort", "claim", "commit", "content", "materialize",
+           "reading"]
 
 LOCK = threading.RLock()
-#: What a log entry ``(part, index or key, old value)`` wrote: refs, hash_of, prev, next, by_key.
-REFS, SLOTS, PREV, NEXT, KEYS = range(5)
+#: What a log entry ``(part, index or key, old value, ...)`` wrote: ``refs``, ``hash_of``,
+#: ``prev``, ``next`` or ``by_key`` at one index or key; ``TAKEN``: ``refs`` of blocks
+#: ``ids`` (were 0); ``STORED`` / ``EVICTED``: ``by_key`` at ``key`` and ``hash_of`` at
+#: block ``b`` (``(kind, key, old, b)``: the block was uncached / cached under ``key``).
+REFS, SLOTS, PREV, NEXT, KEYS, TAKEN, STORED, EVICTED = range(8)
 MISSING: Any = object()  # a key's old value when it was not in the index
 #: A store compacts after logging ``max(COMPACT_MIN, its entries)`` entries.
 COMPACT_MIN = 4096
@@ -120,15 +124,24 @@ class Version:
 
 def _roll_back(s: Store, log: list[Any], size: int) -> None:
     """Undo ``log`` on ``s`` (latest entry first), then cut its links to ``size``."""
-    parts = (s.refs, s.hash_of, s.prev, s.next)
-    index = s.by_key
-    for c, i, old in reversed(log):
-        if c != KEYS:
-            parts[c][i] = old  # type: ignore[index]
-        elif old is MISSING:
-            index.pop(i, None)  # type: ignore[union-attr]  # a key the index did not have
-        else:
-            index[i] = old  # type: ignore[index]
+    parts: Any = (s.refs, s.hash_of, s.prev, s.next)
+    index: Any = s.by_key
+    for e in reversed(log):
+        c = e[0]
+        if c <= NEXT:
+            parts[c][e[1]] = e[2]
+        elif c == TAKEN:
+            refs = s.refs
+            for b in e[1]:
+                refs[b] = 0
+        else:  # KEYS, STORED, EVICTED
+            key, old = e[1], e[2]
+            if old is MISSING:
+                index.pop(key, None)  # a key the index did not have
+            else:
+                index[key] = old
+            if c != KEYS:
+                s.hash_of[e[3]] = None if c == STORED else key  # type: ignore[index]
     del s.prev[size:], s.next[size:]
 
 
@@ -154,8 +167,8 @@ def materialize(v: Version) -> Store:
 def claim(v: Version) -> tuple[Store, list[Any]]:
     """The store a transition from ``v`` writes, held by its new log (a fork if need be).
 
-    The transition logs ``(part, index or key, old value)`` before each write
-    (``part``: :data:`REFS` ... :data:`KEYS`; :data:`MISSING`: a key the index
+    The transition logs an entry (:data:`REFS` ...) before each write it
+    makes to a part of its starting value (:data:`MISSING`: a key the index
     did not have).
     """
     with LOCK:

@@ -14,7 +14,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfunc.core._delta import DeltaBuilder
-from kvfunc.core._lineage import KEYS, MISSING, REFS, SLOTS, Store, abort, claim, commit
+from kvfunc.core._lineage import (
+    EVICTED,
+    KEYS,
+    MISSING,
+    REFS,
+    SLOTS,
+    STORED,
+    TAKEN,
+    Store,
+    abort,
+    claim,
+    commit,
+)
 from kvfunc.core._pool import PoolState
 
 __all__ = ["PoolCopy"]
@@ -87,9 +99,9 @@ class PoolCopy:
         self.writable = True
         out: list[int] = self.queue.pop(n)
         if self.linked:
-            refs, log = self.refs, self.log.append
+            refs = self.refs
+            self.log.append((TAKEN, tuple(out), 0))  # a free block has no holder
             for b in out:
-                log((REFS, b, 0))  # a free block has no holder
                 refs[b] = 1
             if self.num_cached:
                 hash_of = self.hash_of
@@ -194,17 +206,16 @@ class PoolCopy:
         self.writable = True
         index, hash_of, log = self.by_key, self.hash_of, self.log
         if len(keys) > 1 and not any(map(index.__contains__, keys)):
-            log.extend([(KEYS, k, MISSING) for k in keys])  # none cached yet: one update
-            index.update(zip(keys, blocks, strict=True))
+            log.extend([(STORED, k, MISSING, b) for b, k in zip(blocks, keys, strict=True)])
+            index.update(zip(keys, blocks, strict=True))  # none cached yet: one update
         else:
             get = index.get
             for b, key in zip(blocks, keys, strict=True):
                 found = get(key, MISSING)
-                log.append((KEYS, key, found))
+                log.append((STORED, key, found, b))
                 index[key] = (b if found is MISSING else (found, b) if type(found) is int
                               else (*found, b))
         for b, key in zip(blocks, keys, strict=True):
-            log.append((SLOTS, b, hash_of[b]))
             hash_of[b] = key
         self.num_cached += len(blocks)
 
@@ -215,13 +226,12 @@ class PoolCopy:
         pop = index.pop
         for b, key in zip(blocks, keys, strict=True):
             found = index[key]
-            log((KEYS, key, found))
+            log((EVICTED, key, found, b))
             if type(found) is int:
                 pop(key)
             else:  # copies of one key: keep the others
                 rest = tuple(x for x in found if x != b)
                 index[key] = rest[0] if len(rest) == 1 else rest
-            log((SLOTS, b, key))
             hash_of[b] = None
         self.num_cached -= len(blocks)
         sink = self.sink

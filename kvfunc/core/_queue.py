@@ -292,13 +292,13 @@ class LinkedCopy:
         """Link ``ids``, in order, between block ``last`` (or the sentinel) and its next."""
         prev, nxt, log = self.prev, self.next, self.log
         following = nxt[last]
-        for b in ids:
+        log((NEXT, last, following))
+        for b in ids:  # every link is logged: an older value may have queued ``b``
             log((PREV, b, prev[b]))
+            log((NEXT, b, nxt[b]))
             prev[b] = last
-            log((NEXT, last, nxt[last]))
             nxt[last] = b
             last = b
-        log((NEXT, last, nxt[last]))
         nxt[last] = following
         log((PREV, following, prev[following]))
         prev[following] = last
