@@ -31,7 +31,9 @@ prefix lookup, token bookkeeping and block hashing.
 
 vLLM has no batch call: its per-step cost is its per-call cost.  Lanes run
 interleaved in segments of 32 steps, the garbage collector off; medians of
-the rounds, and ratios are medians of per-round ratios.  Untimed checks:
+the rounds, and ratios are medians of per-round ratios.  A kvfunc lane keeps
+only its newest state while it runs, as an engine does (an older state kept
+costs its undo logs, then one copy: ``kvfunc.core._lineage``).  Untimed checks:
 every kvfunc lane's hit tokens equal vLLM's; every kvfunc lane ends in the
 same state; ``check_invariants`` holds.
 
@@ -184,6 +186,7 @@ class KvLane:
         allocate, free, lookup, of = (kf.allocate_slots, kf.free_request, kf.lookup_prefix,
                                       kf.BlockHashes.of)
         state, hashes, toks = self.state, self.hashes, self.toks
+        self.state = None  # type: ignore[assignment]  # an engine keeps the newest state only
         hits = 0
         for frees, ops in steps:
             for rid in frees:  # its output blocks are hashed once, and cached as it is freed
@@ -208,6 +211,7 @@ class KvLane:
                                       kf.BlockHashes.of)
         slot_request, form = kf.SlotRequest, self.form
         state, hashes, toks = self.state, self.hashes, self.toks
+        self.state = None  # type: ignore[assignment]  # an engine keeps the newest state only
         hits = 0
         for frees, ops in steps:
             for rid in frees:

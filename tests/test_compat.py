@@ -198,6 +198,19 @@ def test_snapshot_and_restore() -> None:
         mgr.restore(hybrid(full_blocks=13).state)
 
 
+def test_restore_refuses_a_state_in_vllms_free_order() -> None:
+    """The seed's ids need the seed's FIFO: a state made with free_order="vllm" is refused,
+    and the manager goes on as before."""
+    mgr = KVCacheManager(100, [FullAttentionManager("FullAttention", 5, 16)], None)
+    mgr.allocate_slots("a", 0, 20)
+    before = mgr.state
+    other = kf.KVState.create({"FullAttention": kf.FullAttention(num_blocks=5, block_size=16)},
+                              100, free_order="vllm")
+    with pytest.raises(ValueError, match="seed's order"):
+        mgr.restore(other)
+    assert mgr.state == before and mgr.allocate_slots("b", 0, 16)
+
+
 def test_other_queries() -> None:
     """Owner keys, block sizes and max table widths as in the seed."""
     mgr = KVCacheManager(100, [FullAttentionManager("FullAttention", 5, 16),
