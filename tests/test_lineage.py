@@ -9,7 +9,9 @@ shares: the same program replayed from a fresh state.
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import threading
 from typing import Any
 
@@ -203,3 +205,81 @@ def test_threads_reading_and_writing_one_lineage_agree_with_a_lone_run() -> None
         t.join(timeout=60)
     assert results[1] == results[3] == want
     assert all(seen == fixed for seen in results[0] + results[2])
+
+
+def test_a_fork_while_the_holder_adds_a_marker_node_reads_the_value_before() -> None:
+    s = Store([0, 0], None, [2, 2, 2], [2, 2, 2], None)
+    head = Version(s)
+    store, log = claim(head)
+    # the holder logs writes to a marker node (index 3) it is about to append, after a
+    # fork copied the arrays: the fork has no index 3 and must not write there
+    log.append((_lineage.NEXT, 3, 0))
+    log.append((_lineage.PREV, 3, 0))
+    log.append((_lineage.NEXT, 2, 2))
+    store.next[2] = 3
+    with _lineage.LOCK:
+        seen = content(head)
+    assert (seen.prev, seen.next) == ([2, 2, 2], [2, 2, 2])
+    _lineage.abort(store, log)
+
+
+def test_marker_nodes_are_reused_once_a_reset_unlinks_them() -> None:
+    s = kf.KVState.create({"full": kf.FullAttention(num_blocks=16, block_size=4)}, 64,
+                          enable_prefix_caching=True)
+    h = kf.BlockHashes.of(list(range(8)), 4)
+    for _ in range(50):
+        s = kf.allocate_slots(s, "a", 0, 8, block_hashes=h).state
+        s = kf.free_request(s, "a", priority=3)[0]
+        s = kf.reset_prefix_cache(s)[0]
+    with s.pools[0].reading() as store:
+        assert len(store.next) <= 16 + 1 + 2  # the sentinel, priority 0's and 3's markers
+    kf.check_invariants(s)
+
+
+def test_transitions_on_an_old_state_copy_its_contents_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    copies = []
+    real = _lineage.materialize
+
+    def counting(v: Version) -> Store:
+        copies.append(v)
+        return real(v)
+
+    monkeypatch.setattr(_lineage, "materialize", counting)
+    s = kf.KVState.create({"full": kf.FullAttention(num_blocks=64, block_size=4)}, 1024,
+                          enable_prefix_caching=True)
+    old = kf.allocate_slots(s, "a", 0, 40, block_hashes=kf.BlockHashes.of(range(40), 4)).state
+    new = kf.allocate_slots(old, "a", 40, 1).state  # ``old`` is no longer the head
+    for _ in range(5):
+        assert not kf.allocate_slots(old, "b", 0, 4000).ok  # refused: no room
+        assert old.pools[0].refs is not None and len(old.pools[0].by_key) == 10
+    assert len(copies) == 1 and old.pools[0].ver.store is not None  # it heads its copy now
+    assert _contents(new) != _contents(old)
+    kf.check_invariants(old)
+    kf.check_invariants(new)
+
+
+def test_compaction_copies_one_of_a_cluster_of_kept_states(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_lineage, "COMPACT_MIN", 16)
+    states = _run(_state(16), _steps(10))
+    cluster, want = states[2:8], [_contents(s) for s in states[2:8]]
+    newest = states[-1]
+    del states
+    later = _run(newest, _steps(60))
+    gc.collect()
+    own = {id(s.pools[0].ver.store) for s in cluster if s.pools[0].ver.store is not None}
+    assert len(own) <= 1  # the newest of them was copied; the others chain into it
+    assert [_contents(s) for s in cluster] == want
+    kf.check_invariants(later[-1])
+
+
+def test_a_pickled_or_copied_state_shares_nothing_with_its_lineage() -> None:
+    states = _run(_state(), _steps(8))
+    for s in (states[1], states[4], states[-1]):
+        for twin in (pickle.loads(pickle.dumps(s)), copy.deepcopy(s)):
+            assert twin == s and twin.pools[0].ver.store is not None
+            assert twin.pools[0].ver.store is not s.pools[0].ver.store
+            kf.check_invariants(twin)
+    again = _run(copy.deepcopy(states[4]), _steps(3))[-1]
+    assert _contents(again) == _contents(_run(states[4], _steps(3))[-1])

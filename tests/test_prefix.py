@@ -618,3 +618,14 @@ def test_a_hash_stored_in_many_blocks_is_found_until_its_last_copy_goes() -> Non
     s = kf.allocate_slots(s, "again", 0, 5, block_hashes=h).state
     block = kf.get_block_ids(s, "again")["full"][0]
     assert s.pool_of("full").cached("full") == {h.hashes[0]: (block,)}
+
+
+def test_one_digest_twice_in_a_run_caches_both_blocks_under_it() -> None:
+    """Hashes given as digests may repeat one: both blocks are cached, in order, under it."""
+    s = kf.KVState.create({"full": kf.FullAttention(num_blocks=8, block_size=4)}, 64,
+                          enable_prefix_caching=True)
+    digest = b"x" * 32
+    h = kf.BlockHashes.of_digests([digest, digest], list(range(8)), 4)
+    r = kf.allocate_slots(s, "a", 0, 8, block_hashes=h)
+    assert r.ok and r.state.pools[0].by_key == {digest: (1, 2)}
+    kf.check_invariants(r.state)

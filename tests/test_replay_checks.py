@@ -79,6 +79,23 @@ def test_a_caching_log_cannot_share_a_free_block_that_caches_nothing() -> None:
         kf.replay(s0, [bad])
 
 
+def test_a_caching_log_cannot_share_a_block_released_before_its_freed_row() -> None:
+    """A block released in a delta waits for its Freed row: sharing it first is refused,
+    and the state replayed from keeps reading as it did."""
+    s0 = kf.KVState.create({"full": kf.FullAttention(num_blocks=6, block_size=4)}, 64,
+                           enable_prefix_caching=True)
+    s1 = kf.allocate_slots(s0, "a", 0, 8, block_hashes=kf.BlockHashes.of(range(8), 4)).state
+    before = s1.pools[0].identity()
+    bad = d("RLSFF", registered_keys=("full",), registered_request_ids=("x",),
+            released_keys=("full",), released_request_ids=("a",), shared_keys=("full",),
+            shared_request_ids=("x",), shared_block_ids=(2,), freed_keys=("full", "full"),
+            freed_block_ids=(2, 1))
+    with pytest.raises(kf.ReplayMismatchError, match=r"block 2 was released and waits"):
+        kf.replay(s1, [bad])
+    assert s1.pools[0].identity() == before
+    kf.check_invariants(s1)
+
+
 def test_replay_of_every_transition_kind_checks_out() -> None:
     """A log of allocations, recycling, forks, hits, copies, saves, resets and frees replays."""
     s0 = kf.KVState.create({"full": kf.FullAttention(num_blocks=16, block_size=4),

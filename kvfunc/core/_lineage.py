@@ -57,8 +57,9 @@ __all__ = ["EVICTED", "KEYS", "LOCK", "MISSING", "NEXT", "PREV", "REFS", "SLOTS"
 LOCK = threading.RLock()
 #: What a log entry ``(part, index or key, old value, ...)`` wrote: ``refs``, ``hash_of``,
 #: ``prev``, ``next`` or ``by_key`` at one index or key; ``TAKEN``: ``refs`` of blocks
-#: ``ids`` (were 0); ``STORED`` / ``EVICTED``: ``by_key`` at ``key`` and ``hash_of`` at
-#: block ``b`` (``(kind, key, old, b)``: the block was uncached / cached under ``key``).
+#: ``ids`` (``(TAKEN, ids, old counts)``); ``STORED`` / ``EVICTED``: ``by_key`` at ``key``
+#: and ``hash_of`` at block ``b`` (``(kind, key, old, b)``: the block was uncached /
+#: cached under ``key``).
 REFS, SLOTS, PREV, NEXT, KEYS, TAKEN, STORED, EVICTED = range(8)
 MISSING: Any = object()  # a key's old value when it was not in the index
 #: A store compacts after logging ``max(COMPACT_MIN, its entries)`` entries.
@@ -121,6 +122,20 @@ class Version:
         """The store this version heads, if it is a head."""
         return self.node.store
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled or deep-copied: a version of its own, heading a copy of its contents."""
+        with LOCK:
+            s = content(self)
+            return _revive, (list(s.refs), None if s.hash_of is None else list(s.hash_of),
+                             list(s.prev), list(s.next),
+                             None if s.by_key is None else dict(s.by_key))
+
+
+def _revive(refs: list[int], hash_of: list[Any] | None, prev: list[int], nxt: list[int],
+            by_key: dict[bytes, Any] | None) -> Version:
+    """A version heading a store of these contents (unpickling, deep copies)."""
+    return Version(Store(refs, hash_of, prev, nxt, by_key))
+
 
 def _roll_back(s: Store, log: list[Any], size: int) -> None:
     """Undo ``log`` on ``s`` (latest entry first), then cut its links to ``size``."""
@@ -129,11 +144,12 @@ def _roll_back(s: Store, log: list[Any], size: int) -> None:
     for e in reversed(log):
         c = e[0]
         if c <= NEXT:
-            parts[c][e[1]] = e[2]
+            if c < PREV or e[1] < size:  # a marker node past ``size`` is cut below
+                parts[c][e[1]] = e[2]
         elif c == TAKEN:
             refs = s.refs
-            for b in e[1]:
-                refs[b] = 0
+            for b, r in zip(e[1], e[2], strict=True):
+                refs[b] = r
         else:  # KEYS, STORED, EVICTED
             key, old = e[1], e[2]
             if old is MISSING:
@@ -174,10 +190,19 @@ def claim(v: Version) -> tuple[Store, list[Any]]:
     with LOCK:
         s = v.node.store
         if s is None or s.txn is not None:
-            s = materialize(v)
+            s = _own(v)
         log: list[Any] = []
         s.txn, s.size = log, len(s.next)
         return s, log
+
+
+def _own(v: Version) -> Store:
+    """A copy of ``v``'s contents that ``v`` heads from now on (older values chained through
+    ``v`` then end there); the store it heads or came from goes on without it."""
+    copy = materialize(v)
+    node = v.node
+    node.store, node.parent, node.undo = copy, None, None
+    return copy
 
 
 def commit(s: Store, log: list[Any], base: Version) -> Version:
@@ -205,17 +230,27 @@ def abort(s: Store, log: list[Any]) -> None:
 
 
 def _compact(s: Store) -> None:
-    """Give a store of its own to each held old value whose logs outweigh a copy."""
+    """Give a store of its own to each held old value whose logs outweigh a copy.
+
+    Newest first: a value copied becomes the head of its copy, so the older
+    values chained through it end there (and are its store's to compact).
+    """
     size = s.entries()
     live = [(v, at) for ref, at in s.held if (v := ref()) is not None and v.node.store is None]
-    keep = []
-    for k, (v, at) in enumerate(live):  # oldest first: its logs run up to the next one held
-        upto = live[k + 1][1] if k + 1 < len(live) else s.count
+    kept: list[tuple[Any, int]] = []
+    held, upto, copies = kept, s.count, []
+    for v, at in reversed(live):  # ``upto``: where the next newer value held sits
         if upto - at > size:
-            v.node = Node(materialize(v))  # older nodes still link through the old one
+            copy = _own(v)
+            copy.count = copy.marks = at
+            copies.append(copy)
+            held = copy.held  # the older ones chain into ``v`` now
         else:
-            keep.append((weakref.ref(v), at))
-    s.held, s.marks = keep, s.count
+            held.append((weakref.ref(v), at))
+        upto = at
+    for copy in copies:
+        copy.held.reverse()  # oldest first, as commits add them
+    s.held, s.marks = kept[::-1], s.count
 
 
 def content(v: Version) -> Store:

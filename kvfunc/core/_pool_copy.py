@@ -100,9 +100,14 @@ class PoolCopy:
         out: list[int] = self.queue.pop(n)
         if self.linked:
             refs = self.refs
-            self.log.append((TAKEN, tuple(out), 0))  # a free block has no holder
-            for b in out:
+            if n == 1:
+                b = out[0]
+                self.log.append((REFS, b, refs[b]))
                 refs[b] = 1
+            else:
+                self.log.append((TAKEN, tuple(out), [refs[b] for b in out]))
+                for b in out:
+                    refs[b] = 1
             if self.num_cached:
                 hash_of = self.hash_of
                 if cached := [b for b in out if hash_of[b] is not None]:
@@ -205,7 +210,8 @@ class PoolCopy:
         """Cache each block under its key (none of them holds anything cached)."""
         self.writable = True
         index, hash_of, log = self.by_key, self.hash_of, self.log
-        if len(keys) > 1 and not any(map(index.__contains__, keys)):
+        if len(keys) > 1 and not any(map(index.__contains__, keys)) and len(set(keys)) == len(
+                keys):
             log.extend([(STORED, k, MISSING, b) for b, k in zip(blocks, keys, strict=True)])
             index.update(zip(keys, blocks, strict=True))  # none cached yet: one update
         else:
@@ -288,6 +294,7 @@ class PoolCopy:
             return src
         else:
             self.log = None
+            self.queue.log = _closed  # writes wait for :meth:`reopen`
             if not log and len(store.next) == store.size:
                 abort(store, log)  # nothing written: the store goes back as it was
                 if queue is src.queue and self.detached is src.detached:
@@ -305,6 +312,12 @@ class PoolCopy:
         if self.log is not None:
             abort(self.store, self.log)  # type: ignore[arg-type]
             self.log = None
+            self.queue.log = _closed
+
+
+def _closed(entry: Any) -> None:
+    """The log of a working copy that holds no store: it must not write."""
+    raise AssertionError("a pool's working copy wrote without holding its store")
 
 
 _new = tuple.__new__

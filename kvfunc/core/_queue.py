@@ -277,11 +277,20 @@ class LinkedCopy:
         return self.levels
 
     def _add_marker(self, priority: int, before: int) -> None:
-        """Link a new marker node for ``priority`` right before node ``before``."""
-        prev, nxt = self.prev, self.next
-        m, after = len(nxt), prev[before]
-        prev.append(after)  # a rollback cuts the links back to their length
-        nxt.append(before)
+        """Link a marker node for ``priority`` right before node ``before``: one no level
+        uses (markers unlinked by :meth:`relink`), else a new one."""
+        prev, nxt, log = self.prev, self.next, self.log
+        used = {node for _, node in self.levels}
+        m = next((x for x in range(self.sentinel + 1, len(nxt)) if x not in used), len(nxt))
+        after = prev[before]
+        if m == len(nxt):
+            prev.append(after)  # a rollback cuts the links back to their length
+            nxt.append(before)
+        else:
+            log((PREV, m, prev[m]))
+            prev[m] = after
+            log((NEXT, m, nxt[m]))
+            nxt[m] = before
         self.log((NEXT, after, nxt[after]))
         nxt[after] = m
         self.log((PREV, before, prev[before]))

@@ -288,6 +288,8 @@ def _shared(g: GroupCopy, op: Any, pending: list[int]) -> None:
         _fail(f"{g.key!r} has no prefix cache: nothing can be shared")
     if not pool.refs[b] and pool.hash_of[b] is None:
         _fail(f"block {b} is free and holds nothing cached: it cannot be shared")
+    if b in pending:
+        _fail(f"block {b} was released and waits for its Freed row: it cannot be shared")
     if pool.refs[b] and pool.hash_of[b] is None:  # a fork: the holders now share a block
         for rid, other in g.items():              # they may write into, so they copy first
             if b in other.blocks:

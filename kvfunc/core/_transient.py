@@ -157,25 +157,23 @@ class Transient:
         store claimed is given back."""
         touched = self.touched
         src = self.src
-        if not touched:
-            for p in self.pool_copies or ():
-                if p is not None:
-                    p.freeze()
-            return src
-        self.touched = []
         copies, pool_copies, group_pool = self.copies, self.pool_copies, self.group_pool
-        assert copies is not None and pool_copies is not None
+        if not touched and (pool_copies is None or all(
+                p is None or p.freeze() is src.pools[j] for j, p in enumerate(pool_copies))):
+            return src  # every store given back, nothing changed
+        self.touched = []
         groups = list(src.groups)
         pools = list(src.pools)
         changed = False
         for i in touched:
-            g = groups[i] = copies[i].freeze(group_pool[i])  # type: ignore[union-attr]
+            g = groups[i] = copies[i].freeze(group_pool[i])  # type: ignore[index,union-attr]
             j = group_pool[i]
-            p = pools[j] = pool_copies[j].freeze()
+            p = pools[j] = pool_copies[j].freeze()  # type: ignore[index]
             changed = changed or g is not src.groups[i] or p is not src.pools[j]
-        for j, p in enumerate(pool_copies):
-            if p is not None and p.log is not None:  # a pool no group wrote to
+        for j, p in enumerate(pool_copies or ()):  # pools no group wrote to, frozen or not
+            if p is not None:
                 pools[j] = p.freeze()
+                changed = changed or pools[j] is not src.pools[j]
         if not changed:
             return src
         state = object.__new__(KVState)
