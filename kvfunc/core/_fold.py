@@ -187,16 +187,15 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
          lookahead: int = 0, own: Any = None) -> Sequence[Any]:
     """Every entry, of any form, checked and then served in order on ``tr``: the refused ids.
 
-    The common forms (a plain 3-tuple; a ``SlotRequest`` or 8-tuple with no
-    reservation, manager-key subset or hit) are checked as :func:`check_entry`
-    checks the rest, and the lane serves a quiet, growing, caching or one-block-sliding one.
-    ``block_hashes``: ``allocate_batch``'s mapping; ``own``: a 3-tuple's hashes.
-    """
+    The common forms (a plain 3-tuple; a ``SlotRequest`` or 8-tuple with no reservation,
+    manager-key subset or hit) are checked as :func:`check_entry` checks the rest, and the
+    lane serves a quiet, growing, caching or one-block-sliding one.  ``block_hashes``:
+    ``allocate_batch``'s mapping; ``own``: a 3-tuple's hashes."""
     if block_hashes and not tr.caching:
         check_hashes(tr, None, False)  # raises: hashes need a caching state
     mapping, refused = block_hashes if tr.caching else None, []
     limit, lane, la_plain = tr.max_model_len, LANE, lookahead >= 0  # la_plain: 3-tuples' >= 0
-    hashed = mapping is not None or own is not None  # a 3-tuple may have hashes
+    hashed, checked = mapping is not None or own is not None, tr.checked  # 3-tuples' hashes
     for e in entries:
         if type(e) is tuple and len(e) == 3:
             rid, computed, new = e
@@ -206,7 +205,10 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
                 if not _general(tr, e, lookahead, mapping, own):
                     refused.append(rid)
                 continue
-            hashes = _hashes_of(tr, rid, own, mapping) if hashed else None
+            hashes = (own if own is not None else mapping.get(rid)) if hashed else None  # type: ignore[union-attr]
+            if hashes is not None and (type(hashes) is not BlockHashes
+                                       or hashes.block_size not in checked):
+                check_hashes(tr, hashes, False)  # raises: not hashes, or a size that cannot fit
             written, total = computed + new, computed + new + lookahead
         else:
             plain = _plain_slot(tr, e, mapping)
@@ -289,20 +291,13 @@ def _plain_slot(tr: Transient, e: Any, mapping: Mapping[Any, Any] | None
             and (computed | new) >= 0 and type(la) is int and new + la >= 0
             and reserved == 0 and type(reserved) is int and keys is None and hit is None):
         return None
-    if hashes is not None or mapping is not None:
-        hashes = _hashes_of(tr, rid, hashes, mapping)
-    written = computed + new
-    return rid, computed, written, written + la, hashes
-
-
-def _hashes_of(tr: Transient, rid: Any, hashes: Any, mapping: Mapping[Any, Any] | None) -> Any:
-    """A plain entry's hashes (its own, else the mapping's), checked to fit the state."""
-    if hashes is None:
-        hashes = mapping.get(rid)  # type: ignore[union-attr]
+    if hashes is None and mapping is not None:
+        hashes = mapping.get(rid)
     if hashes is not None and (type(hashes) is not BlockHashes
                                or hashes.block_size not in tr.checked):
-        check_hashes(tr, hashes, False)
-    return hashes
+        check_hashes(tr, hashes, False)  # raises: not hashes, or a size that cannot fit
+    written = computed + new
+    return rid, computed, written, written + la, hashes
 
 
 def _general(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] | None,

@@ -2,10 +2,9 @@
 
 Theory of operation
 -------------------
-A :class:`GroupState` is a value: its manager key, its policy, the index of
-the pool it draws from, and its rows (``immutables.Map``, request id ->
-:class:`~kvfunc.core._rows.Row`).  It holds no block ids of its own: every
-block comes from and goes back to its pool (``_pool``).
+A :class:`GroupState` is a value: its manager key, its policy, the index of the pool it
+draws from, and its rows (``immutables.Map``, request id -> :class:`~kvfunc.core._rows.Row`).
+It holds no block ids of its own: every block comes from and goes back to its pool (``_pool``).
 
 :class:`GroupCopy` is the working copy one transition edits.  It offers the
 *primitives* of every transition -- register, release, recycle, grow, share,

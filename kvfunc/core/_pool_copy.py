@@ -159,6 +159,15 @@ class PoolCopy:
         self.free([b for b, r in zip(ids, left, strict=True) if not r] if any(left) else ids,
                   key, priority)
 
+    def unhold(self, b: int) -> int:
+        """Drop one holder of block ``b`` and nothing more (replay frees it on its own row):
+        the holders left."""
+        self.writable = True
+        r = self.refs[b]
+        self.log.append((REFS, b, r))
+        self.refs[b] = r - 1
+        return r - 1  # type: ignore[no-any-return]
+
     def share(self, entries: Sequence[int]) -> None:
         """Add a holder to each non-null entry's block; a free one (cached) leaves the queue."""
         self.writable = True

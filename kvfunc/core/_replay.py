@@ -24,7 +24,6 @@ from kvfunc.core._checks import excerpt, is_priority, is_request_id
 from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, BlocksChanged
 from kvfunc.core._errors import InvalidTypeError, ReplayMismatchError, UnknownRequestError
 from kvfunc.core._group import GroupCopy
-from kvfunc.core._lineage import REFS
 from kvfunc.core._ops import (
     Appended,
     Cleared,
@@ -194,15 +193,8 @@ def _row(g: GroupCopy, request_id: object) -> Row:
 
 def _drop_holder(g: GroupCopy, b: int, pending: list[int]) -> None:
     """One holder of ``b`` is gone; it waits for its Freed row if it was the last."""
-    pool = g.pool
-    if pool.linked:
-        pool.writing()
-        r = pool.refs[b]
-        pool.log.append((REFS, b, r))  # logged before written (``kvfunc.core._lineage``)
-        pool.refs[b] = r = r - 1
-        if r:
-            return
-    pending.append(b)
+    if not g.pool.linked or not g.pool.unhold(b):
+        pending.append(b)
 
 
 def _registered(tr: Transient, g: GroupCopy, op: Any, seqs: dict[Any, int]) -> None:
