@@ -46,13 +46,30 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["EVICTED", "KEYS", "LOCK", "MISSING", "NEXT", "PREV", "REFS", "SLOTS", "STORED", "TAKEN",
-           "Node", "Store", "Version", "abort", "claim", "commit", "content", "materialize",
-           "reading"]
+__all__ = [
+    "EVICTED",
+    "KEYS",
+    "LOCK",
+    "MISSING",
+    "NEXT",
+    "PREV",
+    "REFS",
+    "SLOTS",
+    "STORED",
+    "TAKEN",
+    "Node",
+    "Reading",
+    "Store",
+    "Version",
+    "abort",
+    "claim",
+    "commit",
+    "content",
+    "materialize",
+    "reading",
+]
 
 LOCK = threading.RLock()
 #: What a log entry ``(part, index or key, old value, ...)`` wrote: ``refs``, ``hash_of``,
@@ -259,8 +276,27 @@ def content(v: Version) -> Store:
     return s if s is not None and s.txn is None else materialize(v)
 
 
-@contextmanager
-def reading(v: Version) -> Iterator[Store]:
+class Reading:
+    """The context :func:`reading` makes: the module's lock held, ``v``'s contents given."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v: Version) -> None:
+        self.v = v
+
+    def __enter__(self) -> Store:
+        LOCK.acquire()
+        try:
+            return content(self.v)
+        except BaseException:
+            LOCK.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        LOCK.release()
+
+
+def reading(v: Version) -> Reading:
     """The contents of ``v`` to read (not write), kept from any claim while the block runs.
 
     >>> s = Store([0, 1], None, [2, 2, 2], [2, 2, 2], None)
@@ -275,5 +311,4 @@ def reading(v: Version) -> Iterator[Store]:
     ...     a.refs, b.refs
     ([0, 5], [0, 1])
     """
-    with LOCK:
-        yield content(v)
+    return Reading(v)

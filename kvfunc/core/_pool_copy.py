@@ -100,14 +100,16 @@ class PoolCopy:
         out: list[int] = self.queue.pop(n)
         if self.linked:
             refs = self.refs
-            if n == 1:
+            if n == 1:  # the common decode step: one block, no list built
                 b = out[0]
                 self.log.append((REFS, b, refs[b]))
                 refs[b] = 1
-            else:
-                self.log.append((TAKEN, tuple(out), [refs[b] for b in out]))
-                for b in out:
-                    refs[b] = 1
+                if self.num_cached and self.hash_of[b] is not None:
+                    self._evict_run(out)
+                return out
+            self.log.append((TAKEN, tuple(out), [refs[b] for b in out]))
+            for b in out:
+                refs[b] = 1
             if self.num_cached:
                 hash_of = self.hash_of
                 if cached := [b for b in out if hash_of[b] is not None]:
@@ -127,13 +129,23 @@ class PoolCopy:
             queue.push_back(ids)
         elif self.hash_of is None or not self.num_cached:
             queue.push_front(ids)
+        elif len(ids) == 1:  # one block: to the back if it caches something, else the front
+            if self.hash_of[ids[0]] is None:
+                queue.push_front(ids)
+            else:
+                queue.push_back(ids, priority, self.hash_of)
         else:  # cached blocks go to the back (evicted last), the others to the front
             hash_of = self.hash_of
             front = [b for b in ids if hash_of[b] is None]
             if len(front) < len(ids):
                 queue.push_back([b for b in ids if hash_of[b] is not None], priority, hash_of)
             queue.push_front(front)
-        if sink is not None:  # in release order: replay frees the whole run at once
+        if sink is None:
+            return
+        if len(ids) == 1:
+            sink.rows.append((key, ids[0]))
+            sink.codes.append("F")
+        else:  # in release order: replay frees the whole run at once
             sink.rows.extend([(key, b) for b in ids])
             sink.codes.append("F" * len(ids))
 
@@ -236,24 +248,23 @@ class PoolCopy:
 
     def _evict_run(self, blocks: list[int]) -> None:
         """Forget what ``blocks`` cache; records their E rows, in order."""
-        index, hash_of, log = self.by_key, self.hash_of, self.log.append
-        keys = [hash_of[b] for b in blocks]
-        pop = index.pop
-        for b, key in zip(blocks, keys, strict=True):
+        index, hash_of, log, sink = self.by_key, self.hash_of, self.log.append, self.sink
+        rows = None if sink is None else sink.rows.append
+        members, tagged = self.members, self.tagged
+        for b in blocks:
+            key = hash_of[b]
             found = index[key]
             log((EVICTED, key, found, b))
             if type(found) is int:
-                pop(key)
+                del index[key]
             else:  # copies of one key: keep the others
                 rest = tuple(x for x in found if x != b)
                 index[key] = rest[0] if len(rest) == 1 else rest
             hash_of[b] = None
+            if rows is not None:
+                rows((members[key[-1]], b, key[:-1]) if tagged else (members[0], b, key))
         self.num_cached -= len(blocks)
-        sink = self.sink
         if sink is not None:
-            members, pairs = self.members, zip(blocks, keys, strict=True)
-            sink.rows.extend([(members[k[-1]], b, k[:-1]) for b, k in pairs] if self.tagged
-                             else [(members[0], b, k) for b, k in pairs])
             sink.codes.append("E" * len(blocks))
 
     def evict(self, b: int) -> bool:
