@@ -305,7 +305,6 @@ class GroupCopy:
         """
         p = row[2] if row[2] > row[1] else row[1]  # past the stored blocks and the nulls
         pool, m, tag, sink = self.pool, self.block_size // hashes.block_size, self.tag, self.sink
-        pool.writing()
         digests, hash_of = hashes._digests, pool.hash_of
         if upto == p + 1:  # one block completes: the common decode step
             b = row[0][p]

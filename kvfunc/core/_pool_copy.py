@@ -41,8 +41,7 @@ class PoolCopy:
     """
 
     __slots__ = ("by_key", "caching", "detached", "hash_of", "linked", "log", "members",
-                 "num_blocks", "num_cached", "queue", "refs", "sink", "src", "store", "tagged",
-                 "writable")
+                 "num_blocks", "num_cached", "queue", "refs", "sink", "src", "store", "tagged")
 
     def __init__(self, pool: PoolState, sink: DeltaBuilder | None) -> None:
         self.src = pool
@@ -54,7 +53,6 @@ class PoolCopy:
         self.num_cached = pool.num_cached
         self.detached: Any = pool.detached
         self.sink = sink
-        self.writable = False
         self.store: Store | None = None
         self.log: Any = None  # the claim's log (a list), while the store is held
         self.refs: Any = None
@@ -89,14 +87,9 @@ class PoolCopy:
         """Free blocks now."""
         return self.queue.count  # type: ignore[no-any-return]
 
-    def writing(self) -> None:
-        """Note that this transition writes the pool."""
-        self.writable = True
-
     # -- the free queue ---------------------------------------------------------------
     def take(self, n: int) -> list[int]:
         """Pop ``n`` free blocks for one holder each, evicting what they cache (caller checked)."""
-        self.writable = True
         out: list[int] = self.queue.pop(n)
         if self.linked:
             refs = self.refs
@@ -120,7 +113,6 @@ class PoolCopy:
         """Return blocks nobody holds to the queue; cached ones wait at ``priority`` (Y, F rows)."""
         if not ids:
             return
-        self.writable = True
         queue, sink = self.queue, self.sink
         if priority and self.caching and sink is not None:
             sink.rows.append((key, priority))
@@ -154,7 +146,6 @@ class PoolCopy:
         if not self.linked:
             self.free(ids, key)
             return
-        self.writable = True
         refs, log = self.refs, self.log.append
         if len(ids) == 1:
             b = ids[0]
@@ -174,7 +165,6 @@ class PoolCopy:
     def unhold(self, b: int) -> int:
         """Drop one holder of block ``b`` and nothing more (replay frees it on its own row):
         the holders left."""
-        self.writable = True
         r = self.refs[b]
         self.log.append((REFS, b, r))
         self.refs[b] = r - 1
@@ -182,7 +172,6 @@ class PoolCopy:
 
     def share(self, entries: Sequence[int]) -> None:
         """Add a holder to each non-null entry's block; a free one (cached) leaves the queue."""
-        self.writable = True
         ids = [b for b in entries if b] if 0 in entries else entries
         refs, queue, log = self.refs, self.queue, self.log.append
         for b in ids:
@@ -229,7 +218,6 @@ class PoolCopy:
 
     def store_run(self, blocks: Sequence[int], keys: Sequence[bytes]) -> None:
         """Cache each block under its key (none of them holds anything cached)."""
-        self.writable = True
         index, hash_of, log = self.by_key, self.hash_of, self.log
         if len(keys) > 1 and not any(map(index.__contains__, keys)) and len(set(keys)) == len(
                 keys):
@@ -274,7 +262,6 @@ class PoolCopy:
         """
         if not self.caching or self.hash_of[b] is None:
             return False
-        self.writable = True
         self._evict_run([b])
         return True
 
@@ -289,7 +276,6 @@ class PoolCopy:
 
     def clear(self) -> int:
         """Forget every cached key (held blocks stay held); how many blocks were cached."""
-        self.writable = True
         hash_of, index, log = self.hash_of, self.by_key, self.log
         for b in [b for b in range(self.num_blocks) if hash_of[b] is not None]:
             log.append((SLOTS, b, hash_of[b]))
@@ -322,7 +308,6 @@ class PoolCopy:
                 ver = src.ver
             else:
                 ver = commit(store, log, src.ver)  # type: ignore[arg-type]
-        self.writable = False
         new = self.src = _new(PoolState, (src.name, src.members, src.num_blocks, queue, ver,
                                           src.caching, self.num_cached, self.detached))
         return new
