@@ -71,10 +71,11 @@ def _check_pool(pool: PoolState, groups: list[GroupState]) -> None:
         assert all(c == 1 for c in detached.values()), f"{name}: a block is detached twice"
         assert not set(held) & set(detached), f"{name}: a block is held and detached"
     else:
-        _check_refs(pool, held, detached, free)
-        _check_links(pool)
-    if pool.caching:
-        _check_cache(pool, groups)
+        with pool.reading() as store:  # one read of the arrays serves every check
+            _check_refs(pool, store.refs, held, detached, free)
+            _check_links(pool, store.prev, store.next)
+            if pool.caching:
+                _check_cache(pool, store.refs, store.hash_of, store.by_key, groups)
     total = len(free) + len(set(held) | set(detached))
     assert total == n - 1, (f"{name}: conservation broken: free {len(free)} + held or "
                             f"detached {total - len(free)} != {n - 1}")
@@ -89,10 +90,8 @@ def _check_row(g: GroupState, row: Any) -> None:
         f"{g.key}: a null entry where every token is kept")
 
 
-def _check_refs(pool: PoolState, held: Counter[int], detached: dict[int, int],
+def _check_refs(pool: PoolState, refs: list[int], held: Counter[int], detached: dict[int, int],
                 free: tuple[int, ...]) -> None:
-    refs = pool.refs
-    assert refs is not None
     want = [0] * pool.num_blocks
     for b, c in held.items():
         want[b] += c
@@ -103,11 +102,9 @@ def _check_refs(pool: PoolState, held: Counter[int], detached: dict[int, int],
     assert nobody == set(free), f"{pool.name}: the free blocks are not those nobody holds"
 
 
-def _check_links(pool: PoolState) -> None:
+def _check_links(pool: PoolState, prev: list[int], nxt: list[int]) -> None:
     """A linked queue's links agree both ways; its markers come in priority order."""
     q = pool.queue
-    with pool.reading() as store:
-        nxt, prev = list(store.next), list(store.prev)
     s = q.sentinel
     assert s == pool.num_blocks, f"{pool.name}: the sentinel is {s}, not {pool.num_blocks}"
     walk, b = [s], nxt[s]
@@ -124,10 +121,9 @@ def _check_links(pool: PoolState) -> None:
     assert not marks or 0 in marks.values(), f"{pool.name}: markers without priority 0's"
 
 
-def _check_cache(pool: PoolState, groups: list[GroupState]) -> None:
+def _check_cache(pool: PoolState, refs: list[int], hash_of: list[Any], index: dict[bytes, Any],
+                 groups: list[GroupState]) -> None:
     """The index and ``hash_of`` agree; every row's counters are sound."""
-    hash_of, refs, index = pool.hash_of, pool.refs, pool.by_key
-    assert hash_of is not None and refs is not None
     cached = {b: k for b, k in enumerate(hash_of) if k is not None}
     assert pool.num_cached == len(cached), f"{pool.name}: cached block count differs"
     indexed: dict[int, bytes] = {}

@@ -142,10 +142,8 @@ class Version:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled or deep-copied: a version of its own, heading a copy of its contents."""
         with LOCK:
-            s = content(self)
-            return _revive, (list(s.refs), None if s.hash_of is None else list(s.hash_of),
-                             list(s.prev), list(s.next),
-                             None if s.by_key is None else dict(s.by_key))
+            s = materialize(self)  # a copy: nothing of it is shared with the lineage
+            return _revive, (s.refs, s.hash_of, s.prev, s.next, s.by_key)
 
 
 def _revive(refs: list[int], hash_of: list[Any] | None, prev: list[int], nxt: list[int],

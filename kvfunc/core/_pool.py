@@ -124,7 +124,7 @@ class PoolState(NamedTuple):
         """Holders per block (a copy; linked pools), else None."""
         if self.ver is None:
             return None
-        with reading(self.ver) as store:
+        with self.reading() as store:
             return list(store.refs)
 
     @property
@@ -147,7 +147,7 @@ class PoolState(NamedTuple):
         """Free blocks in hand-out order."""
         if self.ver is None:
             return tuple(self.queue.ids())
-        with reading(self.ver) as store:
+        with self.reading() as store:
             return tuple(self.queue.ids(store.next))
 
     def num_detached(self) -> int:
@@ -175,7 +175,7 @@ class PoolState(NamedTuple):
         """The free queue's whole order, priority markers as ``("priority", p)``."""
         if self.ver is None:
             return self.queue.layout()  # type: ignore[no-any-return]
-        with reading(self.ver) as store:
+        with self.reading() as store:
             return self.queue.layout(store.next)  # type: ignore[no-any-return]
 
     def identity(self) -> tuple[Any, ...]:
@@ -183,7 +183,7 @@ class PoolState(NamedTuple):
         if self.ver is None:
             return (self.name, self.members, self.num_blocks, self.queue.layout(), None, None,
                     dict(self.detached.items()))
-        with reading(self.ver) as store:
+        with self.reading() as store:
             return (self.name, self.members, self.num_blocks, self.queue.layout(store.next),
                     tuple(store.refs), None if store.hash_of is None else tuple(store.hash_of),
                     dict(self.detached.items()))

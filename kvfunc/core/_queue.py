@@ -291,9 +291,9 @@ class LinkedCopy:
             prev[m] = after
             log((NEXT, m, nxt[m]))
             nxt[m] = before
-        self.log((NEXT, after, nxt[after]))
+        log((NEXT, after, nxt[after]))
         nxt[after] = m
-        self.log((PREV, before, prev[before]))
+        log((PREV, before, prev[before]))
         prev[before] = m
         self.levels = tuple(sorted((*self.levels, (priority, m))))
 

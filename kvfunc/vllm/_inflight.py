@@ -57,11 +57,11 @@ def entries(state: kf.KVState, layout: Layout, rid: str, processed: int, compute
     c = max(limit, processed)
     end = -(-(written + lookahead) // bs)
     for group, pool_index in ((g, g.pool) for g in state.groups):
-        pool, table = state.pools[pool_index], group.table(rid)
-        if pool.linked and table[c // bs:end]:
+        pool, span = state.pools[pool_index], group.table(rid)[c // bs:end]
+        if pool.linked and span:
             with pool.reading() as store:
                 refs = store.refs
-                if any(b and refs[b] > 1 for b in table[c // bs:end]):
+                if any(b and refs[b] > 1 for b in span):
                     return None  # B would copy a shared block: no exact split
     return [kf.SlotRequest(rid, processed, 0, -processed, 0, windows),
             kf.SlotRequest(rid, c, written - c, lookahead, 0, None, hashes)]
