@@ -263,3 +263,51 @@ def test_decode_steps_that_complete_blocks_take_the_lean_step_and_equal_the_step
     assert any(not d.appended_block_ids for d in stored)  # a block completes alone
     assert any(d.appended_block_ids for d in stored)  # and with a new block
     assert any(d.nulled_positions for d in stored)  # and with the window sliding
+
+
+@pytest.mark.parametrize("models", ["full", "full+swa per-type", "full+swa shared"])
+def test_decode_steps_that_only_grow_take_the_lean_steps_growth_and_equal_the_step(
+        models: str, monkeypatch: Any) -> None:
+    """Decode steps without prefix caching, a batch of two requests: a step where every group
+    of a request only takes a new block is grown by the lean step directly (one group: no
+    plan, no room check of plans; several: no recycling pass), and every state, delta and
+    refusal equals the general step's."""
+    import kvfunc.core._step as step_module
+
+    groups: dict[str, kf.Policy] = {"full": kf.FullAttention(num_blocks=12, block_size=4)}
+    if models != "full":
+        groups["swa"] = kf.SlidingWindow(num_blocks=12, block_size=4, sliding_window=64)
+    layout = "shared" if models.endswith("shared") else "per-type"
+    base = kf.KVState.create(groups, 256, layout=layout)
+    start = kf.allocate_batch(base, [("a", 0, 3), ("b", 0, 2)]).state
+    calls: dict[str, int] = {"has_room": 0, "recycle_first": 0, "step": 0}
+
+    def counting(name: str, real: Any) -> Any:
+        def counted(*a: Any) -> Any:
+            calls[name] += 1
+            return real(*a)
+        return counted
+
+    for name, module in (("has_room", step_module), ("recycle_first", step_module),
+                         ("step", fold_module)):
+        monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
+    runs = []
+    for on in (True, False):
+        state, out = start, []
+        with lane(on):
+            for done in range(3, 40):
+                r = kf.allocate_batch(state, [("a", done, 1), ("b", done - 1, 1)])
+                out.append((r.refused, r.state, r.delta))
+                state = r.state
+        runs.append((out, dict(calls)))
+        calls.update(dict.fromkeys(calls, 0))
+    (fast, fast_calls), (slow, _) = runs
+    assert fast == slow
+    assert any(d.appended_block_ids for _, _, d in fast)
+    assert fast[-1][0]  # the pool ran out: a refusal on both paths
+    assert fast_calls["step"] == 0  # every decode step took the lane
+    assert fast_calls["recycle_first"] == 0  # nothing slid out, nothing cached: no pass
+    if models == "full":
+        assert fast_calls["has_room"] == 0  # one group: its own room check, no plan
+    else:
+        assert fast_calls["has_room"] > 0

@@ -47,18 +47,18 @@ a copy may read a block an earlier copy wrote.  An eviction comes before the
 append or copy that took its block.  Only states with prefix caching produce
 the S, C, T, E, Z, H and Y families.
 
-A delta read from outside is checked by :meth:`BlocksChanged.operations`
-before any reader sees a row: parallel columns of the right cell types
-(manager keys ``str``, request ids ``str`` or ``int``, block ids, positions
-and token counts ``int``, hashes non-empty ``bytes``, a block's token ids a
-tuple of ``int``; never a ``bool``), and an ``order`` that names each row
-exactly once.  Whether the rows fit a state is replay's question.
+A delta read from outside is checked by :meth:`BlocksChanged.operations` before
+any reader sees a row: parallel columns of the right cell types (manager keys
+``str``, request ids ``str`` or ``int``, block ids, positions and token counts
+``int``, hashes non-empty ``bytes``, a block's token ids a tuple of ``int``;
+never a ``bool``), and an ``order`` that names each row exactly once.
+Whether the rows fit a state is replay's question.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, ClassVar, Generic, TypeVar, overload
 
 import attrs
@@ -67,10 +67,8 @@ from kvfunc.core._checks import excerpt
 from kvfunc.core._errors import InvalidTypeError, ReplayMismatchError
 from kvfunc.core._ops import COLUMNS, RECORDS, Operation
 
-__all__ = [
-    "COLUMN_NAMES", "COPY_INTO_NEW", "COPY_SAVED", "DELTA_VERSION", "EMPTY_DELTA", "FIELDS",
-    "BlocksChanged", "DeltaBuilder", "family_rows",
-]
+__all__ = ["COLUMN_NAMES", "COPY_INTO_NEW", "COPY_SAVED", "DELTA_VERSION", "EMPTY_DELTA", "FIELDS",
+           "BlocksChanged", "Run", "family_rows"]
 
 DELTA_VERSION = 3
 COPY_INTO_NEW = -1
@@ -194,21 +192,36 @@ class BlocksChanged:
         _set(self, "_rows", None)
 
     @classmethod
-    def _of(cls, order: str, rows: list[tuple[Any, ...]]) -> BlocksChanged:
-        """A delta of this version from a builder's rows (columns are built when first read)."""
+    def _of(cls, order: str, rows: list[tuple[Any, ...]], runs: bool) -> BlocksChanged:
+        """A delta from a builder's rows; its columns, and ``runs``' rows, are built when read."""
         d = object.__new__(cls)
         _set(d, "version", DELTA_VERSION)
         _set(d, "order", order)
-        _set(d, "_columns", None)
+        _set(d, "_columns", _RUNS if runs else None)
         _set(d, "_rows", rows)
         return d
+
+    def _spelled(self) -> list[tuple[Any, ...]] | None:
+        """The builder's rows (None if built by keyword), every run spelled out once."""
+        rows = self._rows
+        if self._columns is not _RUNS:
+            return rows
+        out: list[tuple[Any, ...]] = []
+        for row in rows:  # type: ignore[union-attr]
+            if type(row) is Run:  # of ``(head, lasts)``, only ``lasts`` ends
+                out.extend(zip(*map(repeat, row[0]), row[1], strict=False))
+            else:
+                out.append(row)
+        _set(self, "_rows", out)  # first: a reader between the two sets spells ``out`` again
+        _set(self, "_columns", None)
+        return out
 
     def columns(self) -> tuple[tuple[Any, ...], ...]:
         """Every column, in :data:`COLUMN_NAMES` order."""
         cols = self._columns
-        if cols is None:
+        if cols is None or cols is _RUNS:
             families: dict[str, list[tuple[Any, ...]]] = {}
-            for code, row in zip(self.order, self._rows or (), strict=True):
+            for code, row in zip(self.order, self._spelled() or (), strict=True):
                 families.setdefault(code, []).append(row)
             out: list[tuple[Any, ...]] = []
             for code in COLUMNS:
@@ -254,9 +267,9 @@ class BlocksChanged:
                 of different lengths, an ``order`` that does not name every row
                 exactly once).
         """
-        new = tuple.__new__
-        if self._rows is not None:
-            for code, row in zip(self.order, self._rows, strict=True):
+        new, built = tuple.__new__, self._spelled()
+        if built is not None:
+            for code, row in zip(self.order, built, strict=True):
                 yield new(RECORDS[code], row)
             return
         rows = family_rows(self)
@@ -375,26 +388,12 @@ def _cell_ok(allowed: frozenset[type], value: Any) -> bool:
     return value is None or type(value) is not bytes or bool(value)
 
 
-class DeltaBuilder:
-    """Collects one transition's rows in order, then freezes them into one delta.
+class Run(tuple):  # type: ignore[type-arg]
+    """``(head, lasts)`` among a builder's rows: a row ``(*head, last)`` for each of ``lasts``,
+    spelled out when the delta is read (:meth:`~kvfunc.core._builder.DeltaBuilder.run`)."""
 
-    A primitive appends its code letters to ``codes`` (a run of one family
-    as one string: ``"F" * 3``) and its rows to ``rows``, in the order it
-    acts; :meth:`build` joins the codes into the delta's ``order``.
-    """
-
-    __slots__ = ("codes", "rows")
-
-    def __init__(self) -> None:
-        self.codes: list[str] = []
-        self.rows: list[tuple[Any, ...]] = []
-
-    def build(self) -> BlocksChanged:
-        """Freeze the collected rows into one record (its columns are built when read)."""
-        if not self.codes:
-            return EMPTY_DELTA
-        return BlocksChanged._of("".join(self.codes), self.rows)
+    __slots__ = ()
 
 
-
+_RUNS: Any = (_EMPTY,)  # ``_columns`` of a delta whose builder's rows hold a :class:`Run`
 _NONE = {code: (_EMPTY,) * len(names) for code, names in COLUMNS.items()}

@@ -16,8 +16,9 @@ from typing import Any
 
 import attrs
 
+from kvfunc.core._builder import DeltaBuilder
 from kvfunc.core._checks import check_request_id, excerpt
-from kvfunc.core._delta import BlocksChanged, DeltaBuilder
+from kvfunc.core._delta import BlocksChanged
 from kvfunc.core._errors import BlockIndexError, InvalidArgumentError, InvalidTypeError
 from kvfunc.core._state import BlockId, KVState, RequestId, check_state
 from kvfunc.core._transient import Transient

@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 
 import immutables
 
-from kvfunc.core._delta import COPY_SAVED, DeltaBuilder
+from kvfunc.core._builder import DeltaBuilder
+from kvfunc.core._delta import COPY_SAVED
 from kvfunc.core._policy import KEEPS_ALL, Policy, row_limits, skip_mode
 from kvfunc.core._pool import cache_key
 from kvfunc.core._pool_copy import PoolCopy
@@ -206,12 +207,9 @@ class GroupCopy:
     def recycle(self, request_id: Any, row: Row, upto: int) -> Row:
         """Null positions ``row.nulls .. upto - 1``; release their blocks highest index first."""
         lo = row.nulls
-        k = upto - lo
         sink = self.sink
         if sink is not None:
-            key = self.key
-            sink.rows.extend([(key, request_id, p) for p in range(lo, upto)])
-            sink.codes.append("N" * k)
+            sink.run("N", (self.key, request_id), range(lo, upto))
         new = remade(row, upto, row.stored, row.shared)
         self.pool.release(row.ids[lo:upto][::-1], self.key)
         return new
@@ -219,19 +217,16 @@ class GroupCopy:
     def grow(self, request_id: Any, row: Row, need: int, nulls: int = 0) -> Row:
         """Append ``nulls`` null entries, then ``need`` blocks taken from the pool; records A."""
         ids = self.pool.take(need) if need else []
+        entries = [0] * nulls + ids if nulls else ids
         sink = self.sink
         if sink is not None:
-            key = self.key
-            if need == 1 and not nulls:  # the common decode step
-                sink.rows.append((key, request_id, ids[0]))
+            if len(entries) == 1:  # the common decode step
+                sink.rows.append((self.key, request_id, entries[0]))
                 sink.codes.append("A")
             else:
-                sink.rows.extend([(key, request_id, 0)] * nulls)
-                sink.rows.extend([(key, request_id, b) for b in ids])
-                sink.codes.append("A" * (nulls + len(ids)))
+                sink.run("A", (self.key, request_id), entries)
         if nulls and row.length > row.nulls:
             raise AssertionError("null entries only ever form a prefix of a table")
-        entries = [0] * nulls + ids if nulls else ids
         return grown(row, entries, row.nulls + nulls, row.stored, row.shared)
 
     def extend(self, request_id: Any, row: Row, need: int) -> None:
@@ -247,9 +242,7 @@ class GroupCopy:
                 sink.rows.append((self.key, request_id, ids[0]))
                 sink.codes.append("A")
             else:
-                key = self.key
-                sink.rows.extend([(key, request_id, b) for b in ids])
-                sink.codes.append("A" * need)
+                sink.run("A", (self.key, request_id), ids)
         held, nulls, stored, shared, seq = row[:5]
         length = row[9]
         held = append_ids(held, length, ids)
@@ -276,7 +269,7 @@ class GroupCopy:
             stored += keys.index(None) if None in keys else len(keys)
         if sink is not None:
             key = self.key
-            sink.rows.extend([(key, request_id, b) for b in entries])
+            sink.rows.extend(zip(repeat(key), repeat(request_id), entries))
             sink.codes.append("".join(["S" if b else "A" for b in entries]) if 0 in entries
                               else "S" * len(entries))
         return grown(row, list(entries), row.nulls + lead, stored, n + len(entries))

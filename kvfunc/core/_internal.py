@@ -5,9 +5,10 @@ gathered here so that code outside the core imports one named module instead
 of reaching into private ones.
 """
 
+from kvfunc.core._builder import DeltaBuilder
 from kvfunc.core._cache_info import as_listed
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id, excerpt
-from kvfunc.core._delta import DeltaBuilder, family_rows
+from kvfunc.core._delta import family_rows
 from kvfunc.core._fold import fold, quiet, slot_entry
 from kvfunc.core._group import GroupCopy
 from kvfunc.core._pool_copy import PoolCopy

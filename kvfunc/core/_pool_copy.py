@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvfunc.core._delta import DeltaBuilder
+from kvfunc.core._builder import DeltaBuilder
 from kvfunc.core._lineage import (
     EVICTED,
     KEYS,
@@ -138,8 +138,7 @@ class PoolCopy:
             sink.rows.append((key, ids[0]))
             sink.codes.append("F")
         else:  # in release order: replay frees the whole run at once
-            sink.rows.extend([(key, b) for b in ids])
-            sink.codes.append("F" * len(ids))
+            sink.run("F", (key,), ids if type(ids) is tuple else tuple(ids))  # kept: never written
 
     def release(self, ids: Sequence[int], key: str, priority: int = 0) -> None:
         """Drop one holder of each block; free, in order, those that reach none."""
@@ -269,8 +268,7 @@ class PoolCopy:
         """Let one detached holder of each block go (records X), freeing those nobody holds."""
         sink = self.sink
         if sink is not None:
-            sink.rows.extend([(key, b) for b in ids])
-            sink.codes.append("X" * len(ids))
+            sink.run("X", (key,), ids if type(ids) is tuple else tuple(ids))
         self.attach(ids)
         self.release(ids, key)
 

@@ -6,8 +6,9 @@ from collections.abc import Iterable
 
 import attrs
 
+from kvfunc.core._builder import DeltaBuilder
 from kvfunc.core._checks import check_request_id, excerpt
-from kvfunc.core._delta import BlocksChanged, DeltaBuilder
+from kvfunc.core._delta import BlocksChanged
 from kvfunc.core._errors import InvalidArgumentError, UnknownRequestError
 from kvfunc.core._prefix import require_caching
 from kvfunc.core._rows import remade, row_table

@@ -181,20 +181,26 @@ def has_room(tr: Transient, plans: list[Plan], reserved: int) -> bool:
         need += extra + len(cow)
         if not need:
             return True
-        gain = _gain(tr, plans[0]) if upto > (row[1] if row is not None else 0) else 0
-        free: int = tr.pools[tr.group_pool[i]].queue.count  # ``tr.free_count``, inlined
-        return need <= free + gain
+        return fits(tr, i, need - (_gain(tr, plans[0]) if upto > (row[1] if row is not None
+                                                                     else 0) else 0))
     want: dict[int, int] = {}
-    for p in plans:
-        j = tr.group_pool[p.group]
-        n = p.need + p.extra + len(p.cow)
-        if p.row is not None and p.upto > p.row.nulls:
+    pool_of, pools = tr.group_pool, tr.pools
+    for p in plans:  # one read of the plan's fields (a named field costs a lookup)
+        i, row, _, _, upto, _, need, cow, extra, _ = p
+        n = need + extra + len(cow)
+        if row is not None and upto > row[1]:
             n -= _gain(tr, p)
         if reserved:
-            g = tr.views[p.group]
+            g = tr.views[i]
             n += g.policy.num_reserved_blocks(reserved, len(g.rows))
+        j = pool_of[i]
         want[j] = want.get(j, 0) + n
-    return all(n <= tr.free_count(j) for j, n in want.items())
+    return all(n <= pools[j].queue.count for j, n in want.items())  # ``tr.free_count``, inlined
+
+
+def fits(tr: Transient, i: int, need: int) -> bool:
+    """Whether group ``i``'s pool holds ``need`` free blocks now (one group's room check)."""
+    return need <= tr.pools[tr.group_pool[i]].queue.count  # type: ignore[no-any-return]
 
 
 def _gain(tr: Transient, p: Plan) -> int:
@@ -277,7 +283,7 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
     which it never needs, are left out.  False (``tr`` untouched) when a
     pool lacks the blocks.
     """
-    views, plans = tr.views, []
+    views, plans, grows = tr.views, [], True
     for view, row, slides in work:
         i = 0
         while views[i] is not view:
@@ -287,9 +293,19 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
         store = hashes is not None and completes(
             view.traits, row[9] + need, row[2] if row[2] > row[1] else row[1], computed,
             written, hashes)
+        grows = grows and need > 0 and not store and upto <= row[1]
+        if grows and len(work) == 1:  # one group only grows: no plan to build
+            if not fits(tr, i, need):
+                return False
+            tr.copy(i).extend(request_id, row, need)
+            return True
         plans.append(_new(Plan, (i, row, None, 0, upto, 0, need, (), 0, store)))
     if not has_room(tr, plans, 0):
         return False
+    if grows:  # every group only grows: the common decode step, as :func:`step` serves it
+        for p in plans:
+            tr.copy(p[0]).extend(request_id, p[1], p[6])  # type: ignore[arg-type]
+        return True
     rows = recycle_first(tr, request_id, plans)
     caching = []  # cached by :func:`bind_rows` once every group grew (the step's order)
     for p, row in zip(plans, rows, strict=True):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfunc.core._delta import DeltaBuilder
+from kvfunc.core._builder import DeltaBuilder
 from kvfunc.core._group import GroupCopy
 from kvfunc.core._pool_copy import PoolCopy
 from kvfunc.core._state import KVState, find_group
@@ -167,10 +167,8 @@ class Transient:
         changed = False
         for i in touched:
             g = groups[i] = copies[i].freeze(group_pool[i])  # type: ignore[index,union-attr]
-            j = group_pool[i]
-            p = pools[j] = pool_copies[j].freeze()  # type: ignore[index]
-            changed = changed or g is not src.groups[i] or p is not src.pools[j]
-        for j, p in enumerate(pool_copies or ()):  # pools no group wrote to, frozen or not
+            changed = changed or g is not src.groups[i]
+        for j, p in enumerate(pool_copies or ()):  # every pool, written to or not
             if p is not None:
                 pools[j] = p.freeze()
                 changed = changed or pools[j] is not src.pools[j]

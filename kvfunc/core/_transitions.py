@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvfunc.core._builder import DeltaBuilder
 from kvfunc.core._checks import (
     check_count,
     check_manager_keys,
     check_priority,
     check_request_id,
 )
-from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged, DeltaBuilder
+from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged
 from kvfunc.core._errors import InvalidTypeError
 from kvfunc.core._fold import check_hashes, check_lookahead, fold, quiet
 from kvfunc.core._policy import slid_out
