@@ -185,12 +185,9 @@ def check_hit(tr: Transient, request_id: Any, computed: int, keys: Any, hashes: 
 
 def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] | None = None,
          lookahead: int = 0, own: Any = None) -> Sequence[Any]:
-    """Every entry, of any form, checked and then served in order on ``tr``: the refused ids.
-
-    The common forms (a plain 3-tuple; a ``SlotRequest`` or 8-tuple with no reservation,
-    manager-key subset or hit) are checked as :func:`check_entry` checks the rest, and the
-    lane serves a quiet, growing, caching or one-block-sliding one.  ``block_hashes``:
-    ``allocate_batch``'s mapping; ``own``: a 3-tuple's hashes."""
+    """Every entry, of any form, checked, then served in order on ``tr``: the refused ids (the
+    lane's forms, a 3-tuple or a ``SlotRequest``/8-tuple with no reservation, keys or hit, are
+    checked here as :func:`check_entry` checks any; ``own``: a 3-tuple's hashes)."""
     if block_hashes and not tr.caching:
         check_hashes(tr, None, False)  # raises: hashes need a caching state
     mapping, refused = block_hashes if tr.caching else None, []
@@ -199,24 +196,27 @@ def fold(tr: Transient, entries: Iterable[Any], block_hashes: Mapping[Any, Any] 
     for e in entries:
         if type(e) is tuple and len(e) == 3:
             rid, computed, new = e
-            t = type(rid)
-            if not ((t is int or t is str) and type(computed) is int is type(new)
-                    and (computed | new) >= 0 and (la_plain or new + lookahead >= 0)):
-                if not _general(tr, e, lookahead, mapping, own):
-                    refused.append(rid)
-                continue
+            la, fit = lookahead, la_plain  # fit: None off the lane, True if new + la >= 0 holds
             hashes = (own if own is not None else mapping.get(rid)) if hashed else None  # type: ignore[union-attr]
-            if hashes is not None and (type(hashes) is not BlockHashes
-                                       or hashes.block_size not in checked):
-                check_hashes(tr, hashes, False)  # raises: not hashes, or a size that cannot fit
-            written, total = computed + new, computed + new + lookahead
+        elif type(e) is SlotRequest or (type(e) is tuple and len(e) == 8):
+            rid, computed, new, la, reserved, keys, hashes, hit = e
+            fit = (la >= 0 if type(la) is int and type(reserved) is int and not reserved
+                   and keys is None and hit is None else None)  # type: ignore[assignment]
+            if hashes is None and mapping is not None:
+                hashes = mapping.get(rid)
         else:
-            plain = _plain_slot(tr, e, mapping)
-            if plain is None:
-                if not _general(tr, e, lookahead, mapping, own):
-                    refused.append(e[0])
-                continue
-            rid, computed, written, total, hashes = plain
+            rid = fit = None
+        t = type(rid)
+        if not (fit is not None and (t is int or t is str) and type(computed) is int is type(new)
+                and (computed | new) >= 0 and (fit or new + la >= 0)):
+            if not _general(tr, e, lookahead, mapping, own):
+                refused.append(e[0])
+            continue
+        if hashes is not None and (type(hashes) is not BlockHashes
+                                   or hashes.block_size not in checked):
+            check_hashes(tr, hashes, False)  # raises: not hashes, or a size that cannot fit
+        written = computed + new
+        total = written + la
         if total > limit or written > limit:
             computed, written, total = min(computed, limit), min(written, limit), min(total, limit)
         if lane:  # quiet in every group, or growing or sliding in some: the rows' limits tell
@@ -276,28 +276,6 @@ def quiet(views: Sequence[Any], limit: int, checked: Collection[int], rid: Any, 
                 or (hashes is not None and written >= row[7] and hashes.num_tokens >= row[7])):
             return False
     return True
-
-
-def _plain_slot(tr: Transient, e: Any, mapping: Mapping[Any, Any] | None
-                ) -> tuple[Any, int, int, int, Any] | None:
-    """A ``SlotRequest`` or 8-tuple of the common form (no reservation, manager-key subset
-    or hit), checked as :func:`check_entry` checks it: ``(rid, computed, written, total,
-    hashes)``; None for any other entry."""
-    if not (type(e) is SlotRequest or (type(e) is tuple and len(e) == 8)):
-        return None
-    rid, computed, new, la, reserved, keys, hashes, hit = e
-    t = type(rid)
-    if not ((t is int or t is str) and type(computed) is int and type(new) is int
-            and (computed | new) >= 0 and type(la) is int and new + la >= 0
-            and reserved == 0 and type(reserved) is int and keys is None and hit is None):
-        return None
-    if hashes is None and mapping is not None:
-        hashes = mapping.get(rid)
-    if hashes is not None and (type(hashes) is not BlockHashes
-                               or hashes.block_size not in tr.checked):
-        check_hashes(tr, hashes, False)  # raises: not hashes, or a size that cannot fit
-    written = computed + new
-    return rid, computed, written, written + la, hashes
 
 
 def _general(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] | None,

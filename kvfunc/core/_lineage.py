@@ -49,8 +49,10 @@ import weakref
 from typing import Any
 
 __all__ = [
+    "COUNTED",
     "EVICTED",
     "KEYS",
+    "LINKED",
     "LOCK",
     "MISSING",
     "NEXT",
@@ -58,7 +60,6 @@ __all__ = [
     "REFS",
     "SLOTS",
     "STORED",
-    "TAKEN",
     "Node",
     "Reading",
     "Store",
@@ -73,11 +74,12 @@ __all__ = [
 
 LOCK = threading.RLock()
 #: What a log entry ``(part, index or key, old value, ...)`` wrote: ``refs``, ``hash_of``,
-#: ``prev``, ``next`` or ``by_key`` at one index or key; ``TAKEN``: ``refs`` of blocks
-#: ``ids`` (``(TAKEN, ids, old counts)``); ``STORED`` / ``EVICTED``: ``by_key`` at ``key``
-#: and ``hash_of`` at block ``b`` (``(kind, key, old, b)``: the block was uncached /
-#: cached under ``key``).
-REFS, SLOTS, PREV, NEXT, KEYS, TAKEN, STORED, EVICTED = range(8)
+#: ``prev``, ``next`` or ``by_key`` at one index or key; ``COUNTED``: ``refs`` of blocks
+#: ``ids``, taken or released (``(COUNTED, ids, old counts)``); ``STORED`` / ``EVICTED``:
+#: ``by_key`` at ``key`` and ``hash_of`` at block ``b`` (``(kind, key, old, b)``: the block
+#: was uncached / cached under ``key``); ``LINKED``: ``prev`` and ``next`` of blocks ``ids``
+#: (``(LINKED, ids, old prevs, old nexts)``).
+REFS, SLOTS, PREV, NEXT, KEYS, COUNTED, STORED, EVICTED, LINKED = range(9)
 MISSING: Any = object()  # a key's old value when it was not in the index
 #: A store compacts after logging ``max(COMPACT_MIN, its entries)`` entries.
 COMPACT_MIN = 4096
@@ -161,10 +163,15 @@ def _roll_back(s: Store, log: list[Any], size: int) -> None:
         if c <= NEXT:
             if c < PREV or e[1] < size:  # a marker node past ``size`` is cut below
                 parts[c][e[1]] = e[2]
-        elif c == TAKEN:
+        elif c == COUNTED:
             refs = s.refs
             for b, r in zip(e[1], e[2], strict=True):
                 refs[b] = r
+        elif c == LINKED:  # blocks only: never a marker node
+            prev, nxt = s.prev, s.next
+            for b, p, n in zip(e[1], e[2], e[3], strict=True):
+                prev[b] = p
+                nxt[b] = n
         else:  # KEYS, STORED, EVICTED
             key, old = e[1], e[2]
             if old is MISSING:
@@ -220,15 +227,18 @@ def _own(v: Version) -> Store:
     return copy
 
 
-def commit(s: Store, log: list[Any], base: Version) -> Version:
-    """End the transition holding ``s``: the version of its result (``base``'s successor)."""
+def commit(s: Store, log: list[Any], base: Version, bulk: int = 0) -> Version:
+    """End the transition holding ``s``: the version of its result (``base``'s successor).
+
+    ``bulk``: the writes that the log's entries of several blocks (``COUNTED``, ``LINKED``)
+    hold beyond one each, so that compaction weighs every write."""
     with LOCK:
         s.txn = None
         new = Version(s)
         old = base.node
         if old.store is s:  # it started from the head: the old head keeps the log
             old.store, old.parent, old.undo, old.size = None, new.node, log, s.size
-            s.count += len(log) + 1
+            s.count += len(log) + bulk + 1
             s.held.append((weakref.ref(base), s.count))
             if s.count - s.marks > COMPACT_MIN and s.count - s.marks > s.entries():
                 _compact(s)

@@ -15,13 +15,13 @@ from typing import Any
 
 from kvfunc.core._builder import DeltaBuilder
 from kvfunc.core._lineage import (
+    COUNTED,
     EVICTED,
     KEYS,
     MISSING,
     REFS,
     SLOTS,
     STORED,
-    TAKEN,
     Store,
     abort,
     claim,
@@ -100,7 +100,8 @@ class PoolCopy:
                 if self.num_cached and self.hash_of[b] is not None:
                     self._evict_run(out)
                 return out
-            self.log.append((TAKEN, tuple(out), [refs[b] for b in out]))
+            self.log.append((COUNTED, tuple(out), [refs[b] for b in out]))
+            self.queue.bulk += n - 1
             for b in out:
                 refs[b] = 1
             if self.num_cached:
@@ -154,9 +155,11 @@ class PoolCopy:
             if r == 1:
                 self.free(ids, key, priority)
             return
+        ids = ids if type(ids) is tuple else tuple(ids)  # kept by the log: never written
         left = [refs[b] - 1 for b in ids]
+        log((COUNTED, ids, [r + 1 for r in left]))
+        self.queue.bulk += len(ids) - 1
         for b, r in zip(ids, left, strict=True):
-            log((REFS, b, r + 1))
             refs[b] = r
         self.free([b for b, r in zip(ids, left, strict=True) if not r] if any(left) else ids,
                   key, priority)
@@ -305,7 +308,7 @@ class PoolCopy:
                     return src
                 ver = src.ver
             else:
-                ver = commit(store, log, src.ver)  # type: ignore[arg-type]
+                ver = commit(store, log, src.ver, self.queue.bulk)  # type: ignore[arg-type]
         new = self.src = _new(PoolState, (src.name, src.members, src.num_blocks, queue, ver,
                                           src.caching, self.num_cached, self.detached))
         return new

@@ -43,7 +43,7 @@ from typing import Any
 
 from pyrsistent import PVector, pvector
 
-from kvfunc.core._lineage import NEXT, PREV
+from kvfunc.core._lineage import LINKED, NEXT, PREV
 
 __all__ = ["CHUNK", "Linked", "LinkedCopy", "Ring", "RingCopy"]
 
@@ -213,12 +213,13 @@ class LinkedCopy:
     """The working copy of a :class:`Linked` queue: it writes the store's links in place,
     logging each entry's old value first (:mod:`kvfunc.core._lineage`)."""
 
-    __slots__ = ("count", "levels", "log", "next", "prev", "sentinel", "src")
+    __slots__ = ("bulk", "count", "levels", "log", "next", "prev", "sentinel", "src")
 
     def __init__(self, queue: Linked, prev: list[int], nxt: list[int], log: list[Any]) -> None:
         self.src = queue
         self.prev, self.next = prev, nxt
         self.log = log.append
+        self.bulk = 0  # writes logged beyond one per entry (``_lineage.commit``'s ``bulk``)
         self.count = queue.count
         self.levels = queue.levels
         self.sentinel = queue.sentinel
@@ -302,9 +303,15 @@ class LinkedCopy:
         prev, nxt, log = self.prev, self.next, self.log
         following = nxt[last]
         log((NEXT, last, following))
-        for b in ids:  # every link is logged: an older value may have queued ``b``
+        if len(ids) == 1:
+            b = ids[0]
             log((PREV, b, prev[b]))
             log((NEXT, b, nxt[b]))
+        else:  # every link is logged, in one entry: an older value may have queued them
+            ids = ids if type(ids) is tuple else tuple(ids)  # kept by the log: never written
+            log((LINKED, ids, list(map(prev.__getitem__, ids)), list(map(nxt.__getitem__, ids))))
+            self.bulk += 2 * len(ids) - 1
+        for b in ids:
             prev[b] = last
             nxt[last] = b
             last = b
@@ -347,7 +354,7 @@ class LinkedCopy:
 
     def rebind(self, queue: Linked, log: list[Any]) -> None:
         """Go on from ``queue`` over the same links with another log (a new transition)."""
-        self.src, self.log = queue, log.append
+        self.src, self.log, self.bulk = queue, log.append, 0
 
 
 def _walk(nxt: Any, s: int) -> list[int]:
