@@ -156,6 +156,9 @@ class PoolCopy:
                 self.free(ids, key, priority)
             return
         ids = ids if type(ids) is tuple else tuple(ids)  # kept by the log: never written
+        if len(set(ids)) < len(ids):  # a block twice (holders outside the tables let go)
+            self._release_repeats(ids, key, priority)
+            return
         left = [refs[b] - 1 for b in ids]
         log((COUNTED, ids, [r + 1 for r in left]))
         self.queue.bulk += len(ids) - 1
@@ -163,6 +166,20 @@ class PoolCopy:
             refs[b] = r
         self.free([b for b, r in zip(ids, left, strict=True) if not r] if any(left) else ids,
                   key, priority)
+
+    def _release_repeats(self, ids: tuple[int, ...], key: str, priority: int) -> None:
+        """:meth:`release` of a run that names a block more than once: one holder dropped per
+        mention; a block is freed, in the run's order, where its last holder goes."""
+        refs, olds, freed = self.refs, dict[int, int](), []
+        for b in ids:
+            r = refs[b]
+            olds.setdefault(b, r)
+            refs[b] = r - 1
+            if r == 1:
+                freed.append(b)
+        self.log.append((COUNTED, tuple(olds), list(olds.values())))
+        self.queue.bulk += len(olds) - 1
+        self.free(freed, key, priority)
 
     def unhold(self, b: int) -> int:
         """Drop one holder of block ``b`` and nothing more (replay frees it on its own row):

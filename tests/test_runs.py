@@ -1,5 +1,6 @@
-"""A transition's delta keeps runs of rows (new blocks, freed blocks, slid-out positions)
-unspelled until read; every way of reading it gives the rows a keyword-built delta has."""
+"""Runs of blocks that one call moves: a transition's delta keeps them (new blocks, freed
+blocks, slid-out positions) unspelled until read, every way of reading it giving the rows a
+keyword-built delta has; and a run that names a block twice drops one holder per mention."""
 
 from __future__ import annotations
 
@@ -66,3 +67,30 @@ def test_a_freed_run_holds_the_blocks_in_release_order() -> None:
         freed = _program(caching)[3]
         assert freed.freed_block_ids == expected
         assert [op.block_id for op in freed.operations() if type(op) is kf.Freed] == list(expected)
+
+
+@pytest.mark.parametrize("order", ["a first", "b first"])
+def test_letting_go_of_a_block_detached_twice_in_one_call_frees_it_once(order: str) -> None:
+    """Two requests sharing a cached prefix are detached, then all their blocks let go in
+    one ``free_detached`` (vLLM's deferred frees of two requests at once): the shared block
+    is named twice, loses both holders and is freed once, where its last holder goes; the
+    counts, the free queue and a replay of the delta all agree."""
+    policies = {"full": kf.FullAttention(num_blocks=8, block_size=4)}
+    state = kf.KVState.create(policies, 64, enable_prefix_caching=True)
+    h = kf.BlockHashes.of(list(range(8)), 4)
+    state = kf.allocate_slots(state, "a", 0, 8, block_hashes=h).state
+    hit = kf.lookup_prefix(state, h, max_tokens=7)
+    state = kf.allocate_slots(state, "b", 4, 4, block_hashes=h, prefix_hit=hit).state
+    first, second = ("a", "b") if order == "a first" else ("b", "a")
+    one = kf.detach_request(state, first)
+    two = kf.detach_request(one.state, second)
+    ids = [*one.block_ids["full"], *two.block_ids["full"]]
+    assert len(ids) == 4 and len(set(ids)) == 3  # the prefix block, named twice
+    freed, delta = kf.free_detached(two.state, {"full": ids})
+    kf.check_invariants(freed)
+    assert kf.num_free_blocks(freed, "full") == 7
+    last_mention = {b: i for i, b in enumerate(ids)}
+    assert delta.freed_block_ids == tuple(sorted(last_mention, key=last_mention.__getitem__))
+    again = kf.replay(two.state, [delta])
+    assert again == freed
+    assert again.pool_of("full").free_block_ids() == freed.pool_of("full").free_block_ids()
