@@ -21,7 +21,7 @@ def _program(caching: bool) -> list[kf.BlocksChanged]:
     deltas = []
     res = kf.allocate_batch(state, [("a", 0, 30), ("b", 0, 21)])
     deltas.append(res.delta)
-    res = kf.allocate_batch(res.state, [("a", 30, 9)])  # 36 tokens: 28 of them slid out
+    res = kf.allocate_batch(res.state, [("a", 30, 9)])  # with caching, the window slides here
     deltas.append(res.delta)
     state, delta = kf.recycle_skipped_blocks(res.state, "a", 39)
     deltas.append(delta)
@@ -41,7 +41,8 @@ def _keyword_built(d: kf.BlocksChanged) -> kf.BlocksChanged:
 @pytest.mark.parametrize("caching", [False, True])
 def test_runs_read_as_their_rows(caching: bool) -> None:
     """Operations read first, columns read first, equality, hash, repr and pickle all agree
-    with the keyword-built delta, and the runs hold the blocks the state moved."""
+    with the keyword-built delta, and each transition's order (one code per row of its runs)
+    is the one pinned here."""
     first_ops = [list(d.operations()) for d in _program(caching)]
     for d, ops in zip(_program(caching), first_ops, strict=True):
         built = _keyword_built(d)  # columns read first on this copy
