@@ -68,6 +68,7 @@ __all__ = [
     "claim",
     "commit",
     "content",
+    "kept",
     "materialize",
     "reading",
 ]
@@ -83,6 +84,15 @@ REFS, SLOTS, PREV, NEXT, KEYS, COUNTED, STORED, EVICTED, LINKED = range(9)
 MISSING: Any = object()  # a key's old value when it was not in the index
 #: A store compacts after logging ``max(COMPACT_MIN, its entries)`` entries.
 COMPACT_MIN = 4096
+
+
+def kept(ids: Any) -> tuple[int, ...]:
+    """``ids`` as a tuple: an entry that a log (or a delta) keeps is never written again.
+
+    >>> kept([3, 4]), kept((5,))
+    ((3, 4), (5,))
+    """
+    return ids if type(ids) is tuple else tuple(ids)
 
 
 class Store:

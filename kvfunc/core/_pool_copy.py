@@ -26,6 +26,7 @@ from kvfunc.core._lineage import (
     abort,
     claim,
     commit,
+    kept,
 )
 from kvfunc.core._pool import PoolState
 
@@ -114,6 +115,8 @@ class PoolCopy:
         """Return blocks nobody holds to the queue; cached ones wait at ``priority`` (Y, F rows)."""
         if not ids:
             return
+        if len(ids) > 1:
+            ids = kept(ids)  # the delta's run and the queue's log keep this one tuple
         queue, sink = self.queue, self.sink
         if priority and self.caching and sink is not None:
             sink.rows.append((key, priority))
@@ -139,7 +142,7 @@ class PoolCopy:
             sink.rows.append((key, ids[0]))
             sink.codes.append("F")
         else:  # in release order: replay frees the whole run at once
-            sink.run("F", (key,), ids if type(ids) is tuple else tuple(ids))  # kept: never written
+            sink.run("F", (key,), ids)
 
     def release(self, ids: Sequence[int], key: str, priority: int = 0) -> None:
         """Drop one holder of each block; free, in order, those that reach none."""
@@ -155,7 +158,7 @@ class PoolCopy:
             if r == 1:
                 self.free(ids, key, priority)
             return
-        ids = ids if type(ids) is tuple else tuple(ids)  # kept by the log: never written
+        ids = kept(ids)
         if len(set(ids)) < len(ids):  # a block twice (holders outside the tables let go)
             self._release_repeats(ids, key, priority)
             return
@@ -286,9 +289,9 @@ class PoolCopy:
 
     def drop(self, ids: Sequence[int], key: str) -> None:
         """Let one detached holder of each block go (records X), freeing those nobody holds."""
-        sink = self.sink
+        ids, sink = kept(ids), self.sink
         if sink is not None:
-            sink.run("X", (key,), ids if type(ids) is tuple else tuple(ids))
+            sink.run("X", (key,), ids)
         self.attach(ids)
         self.release(ids, key)
 

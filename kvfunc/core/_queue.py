@@ -43,7 +43,7 @@ from typing import Any
 
 from pyrsistent import PVector, pvector
 
-from kvfunc.core._lineage import LINKED, NEXT, PREV
+from kvfunc.core._lineage import LINKED, NEXT, PREV, kept
 
 __all__ = ["CHUNK", "Linked", "LinkedCopy", "Ring", "RingCopy"]
 
@@ -308,7 +308,7 @@ class LinkedCopy:
             log((PREV, b, prev[b]))
             log((NEXT, b, nxt[b]))
         else:  # every link is logged, in one entry: an older value may have queued them
-            ids = ids if type(ids) is tuple else tuple(ids)  # kept by the log: never written
+            ids = kept(ids)
             log((LINKED, ids, list(map(prev.__getitem__, ids)), list(map(nxt.__getitem__, ids))))
             self.bulk += 2 * len(ids) - 1
         for b in ids:
