@@ -288,3 +288,27 @@ def test_a_pickled_or_copied_state_shares_nothing_with_its_lineage() -> None:
             kf.check_invariants(twin)
     again = _run(copy.deepcopy(states[4]), _steps(3))[-1]
     assert _contents(again) == _contents(_run(states[4], _steps(3))[-1])
+
+
+@pytest.mark.parametrize(("layout", "n"), [("shared", 24), ("per-type", 12)])
+def test_a_run_of_blocks_cached_or_evicted_logs_one_entry_and_rolls_back(layout: str,
+                                                                         n: int) -> None:
+    """A prompt caches a run of blocks (one ``CACHED`` entry in the log) and, once freed,
+    another takes them back from the queue, evicting a run (one ``UNCACHED`` entry); every
+    old state still reads as it was made, and a lookup on it still finds the first prompt."""
+    policies = {"full": kf.FullAttention(num_blocks=n, block_size=4),
+                "swa": kf.SlidingWindow(num_blocks=n, block_size=4, sliding_window=8)}
+    state = kf.KVState.create(policies, 256, enable_prefix_caching=True, layout=layout)
+    seen: list[Any] = []
+    states = _run(state, [("admit", "a", 40), ("free", "a", 0), ("admit", "b", 40)], seen)
+    logs = [e for s in states[:-1] for p in s.pools for e in p.ver.node.undo or ()]
+    runs = {kind: max((len(e[1]) for e in logs if e[0] == kind), default=0)
+            for kind in (_lineage.CACHED, _lineage.UNCACHED)}
+    assert runs[_lineage.CACHED] == 10 and runs[_lineage.UNCACHED] >= 9  # one entry a run
+    assert [_contents(s) for s in reversed(states[1:])] == seen[::-1]
+    assert [_contents(s) for s in states[1:]] == seen
+    prompt = kf.BlockHashes.of([100 + t for t in range(40)], 4)
+    assert kf.lookup_prefix(states[2], prompt).num_tokens == 40  # freed, still cached
+    assert kf.lookup_prefix(states[3], prompt).num_tokens < 40  # evicted (in part) by "b"
+    for s in states:
+        kf.check_invariants(s)

@@ -38,19 +38,43 @@ def _keyword_built(d: kf.BlocksChanged) -> kf.BlocksChanged:
     return kf.BlocksChanged(d.version, d.order, **dict(zip(FIELDS[2:], d.columns(), strict=True)))
 
 
-@pytest.mark.parametrize("caching", [False, True])
-def test_runs_read_as_their_rows(caching: bool) -> None:
+def _hashed_program(layout: str) -> list[kf.BlocksChanged]:
+    """Deltas of a program with block hashes: prompts cache runs of blocks (T), are freed,
+    and a later prompt takes the cached blocks back, evicting a run (E); a decode step takes
+    one cached block (one E)."""
+    policies = {"full": kf.FullAttention(num_blocks=24, block_size=4),
+                "swa": kf.SlidingWindow(num_blocks=24, block_size=4, sliding_window=8)}
+    state = kf.KVState.create(policies, 256, enable_prefix_caching=True, layout=layout)
+    deltas, tokens = [], {"a": list(range(40)), "b": list(range(100, 141))}
+    for rid in ("a", "b"):
+        h = kf.BlockHashes.of(tokens[rid], 4)
+        res = kf.allocate_slots(state, rid, 0, len(tokens[rid]), block_hashes=h)
+        state, delta = kf.free_request(res.state, rid, block_hashes=h)
+        deltas += [res.delta, delta]
+    res = kf.allocate_slots(state, "c", 0, 44)  # takes the cached blocks: evicts runs
+    deltas.append(res.delta)
+    res = kf.allocate_slots(res.state, "c", 44, 1)  # a new block: one more eviction
+    return [*deltas, res.delta]
+
+
+def _deltas(kind: str) -> list[kf.BlocksChanged]:
+    return (_program(kind == "caching") if kind in ("plain", "caching")
+            else _hashed_program(kind))
+
+
+@pytest.mark.parametrize("kind", ["plain", "caching", "shared", "per-type"])
+def test_runs_read_as_their_rows(kind: str) -> None:
     """Operations read first, columns read first, equality, hash, repr and pickle all agree
     with the keyword-built delta, and each transition's order (one code per row of its runs)
     is the one pinned here."""
-    first_ops = [list(d.operations()) for d in _program(caching)]
-    for d, ops in zip(_program(caching), first_ops, strict=True):
+    first_ops = [list(d.operations()) for d in _deltas(kind)]
+    for d, ops in zip(_deltas(kind), first_ops, strict=True):
         built = _keyword_built(d)  # columns read first on this copy
         assert ops == list(built.operations()) == list(d.operations())
         assert (d, hash(d), repr(d)) == (built, hash(built), repr(built))
         assert pickle.loads(pickle.dumps(d)) == built
-    orders = [d.order for d in _program(caching)]
-    assert orders == (ORDERS_CACHING if caching else ORDERS)
+    orders = [d.order for d in _deltas(kind)]
+    assert orders == ORDERS_BY_KIND[kind]
 
 
 #: The program's orders: runs of A, N, F and X rows, each one code per row.
@@ -58,6 +82,31 @@ ORDERS = ["RR" + "A" * 16 + "RR" + "A" * 12, "AAAA", "NNNFFF", "L" + "F" * 10 + 
           "X" * 6 + "F" * 6 + "XXXFFF"]
 ORDERS_CACHING = ["RR" + "A" * 16 + "RR" + "A" * 12, "NNNNNFFFFFAAAA", "NNNFFF",
                   "L" + "F" * 10 + "LFF", "DD", "X" * 6 + "F" * 6 + "X" * 6 + "F" * 6]
+_ADMIT_A, _FREE = "RR" + "A" * 20 + "T" * 20, "L" + "F" * 10 + "L" + "F" * 10
+ORDERS_BY_KIND = {
+    "plain": ORDERS, "caching": ORDERS_CACHING,
+    "shared": [_ADMIT_A, _FREE, "RR" + "E" * 8 + "A" * 11 + "E" * 11 + "A" * 11 + "T" * 20,
+               "L" + "F" * 11 + "L" + "F" * 11, "RR" + "E" * 9 + "A" * 11 + "E" * 11 + "A" * 11,
+               "N" * 9 + "F" * 9 + "AA"],
+    "per-type": [_ADMIT_A, _FREE, "RR" + "A" * 22 + "T" * 20, "L" + "F" * 11 + "L" + "F" * 11,
+                 "RR" + "E" * 8 + "A" * 11 + "E" * 8 + "A" * 11, "N" * 9 + "F" * 9 + "EAA"]}
+
+
+@pytest.mark.parametrize("layout", ["shared", "per-type"])
+def test_a_run_of_stored_or_evicted_blocks_spells_each_blocks_row(layout: str) -> None:
+    """The T rows of a stored run carry each block's position, digest, parent digest and
+    tokens; the E rows of an evicted run each block's group and digest (untagged)."""
+    deltas = _hashed_program(layout)
+    h = kf.BlockHashes.of(list(range(40)), 4).hashes
+    stored = [op for op in deltas[0].operations() if type(op) is kf.Stored]
+    assert [(op.key, op.position, op.block_hash, op.parent_hash, op.token_ids)
+            for op in stored if op.key == "full"] == [
+        ("full", i, h[i], h[i - 1] if i else None, tuple(range(4 * i, 4 * i + 4)))
+        for i in range(10)]
+    evicted = [op for op in deltas[2 if layout == "shared" else 4].operations()
+               if type(op) is kf.Evicted]
+    assert {op.key for op in evicted} == {"full", "swa"}
+    assert {op.block_hash for op in evicted if op.key == "full"} <= set(h)
 
 
 def test_a_freed_run_holds_the_blocks_in_release_order() -> None:

@@ -58,7 +58,7 @@ Whether the rows fit a state is replay's question.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import chain, repeat
+from itertools import chain
 from typing import Any, ClassVar, Generic, TypeVar, overload
 
 import attrs
@@ -208,8 +208,8 @@ class BlocksChanged:
             return rows
         out: list[tuple[Any, ...]] = []
         for row in rows:  # type: ignore[union-attr]
-            if type(row) is Run:  # of ``(head, lasts)``, only ``lasts`` ends
-                out.extend(zip(*map(repeat, row[0]), row[1], strict=False))
+            if type(row) is Run:  # ``(fn, args)``: the rows ``fn(*args)`` gives
+                out.extend(row[0](*row[1]))
             else:
                 out.append(row)
         _set(self, "_rows", out)  # first: a reader between the two sets spells ``out`` again
@@ -389,8 +389,8 @@ def _cell_ok(allowed: frozenset[type], value: Any) -> bool:
 
 
 class Run(tuple):  # type: ignore[type-arg]
-    """``(head, lasts)`` among a builder's rows: a row ``(*head, last)`` for each of ``lasts``,
-    spelled out when the delta is read (:meth:`~kvfunc.core._builder.DeltaBuilder.run`)."""
+    """``(fn, args)`` among a builder's rows: the rows ``fn(*args)`` gives, spelled out when
+    the delta is read (:meth:`~kvfunc.core._builder.DeltaBuilder.run` and ``spell``)."""
 
     __slots__ = ()
 

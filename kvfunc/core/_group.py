@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import immutables
 
-from kvfunc.core._builder import DeltaBuilder
+from kvfunc.core._builder import DeltaBuilder, record_stored, stored_row
 from kvfunc.core._delta import COPY_SAVED
 from kvfunc.core._policy import KEEPS_ALL, Policy, row_limits, skip_mode
 from kvfunc.core._pool import cache_key
@@ -305,21 +305,19 @@ class GroupCopy:
                 h = digests[p] if m == 1 else digests[upto * m - 1]
                 pool.store_run((b,), (h if tag is None else h + tag,))
                 if sink is not None:
-                    sink.rows.append(_stored_row(self.key, request_id, p, b, h, hashes, m))
+                    sink.rows.append(stored_row(self.key, request_id, p, b, h, hashes, m))
                     sink.codes.append("T")
         else:
             positions = range(p, upto)
-            run = row.ids[p:upto]
+            run = tuple(row.ids[p:upto])
             hs = digests[p:upto] if m == 1 else digests[(p + 1) * m - 1:upto * m:m]
-            if any(hash_of[b] is not None for b in run):  # shared blocks, cached already
-                keep = [i for i, b in enumerate(run) if hash_of[b] is None]
+            if any(map(hash_of.__getitem__, run)):  # shared blocks, cached already (a key is
+                keep = [i for i, b in enumerate(run) if hash_of[b] is None]  # never empty)
                 positions = [positions[i] for i in keep]  # type: ignore[assignment]
-                run, hs = [run[i] for i in keep], [hs[i] for i in keep]
-            pool.store_run(run, hs if tag is None else [h + tag for h in hs])
+                run, hs = tuple([run[i] for i in keep]), [hs[i] for i in keep]
+            pool.store_run(run, hs if tag is None else list(map(bytes.__add__, hs, repeat(tag))))
             if sink is not None and run:
-                sink.rows.extend(_stored_rows(self.key, request_id, positions, run, hs, hashes,
-                                              m))
-                sink.codes.append("T" * len(run))
+                record_stored(sink, self.key, request_id, positions, run, hs, hashes, m)
         return remade(row, row[1], upto, row[3] if row[3] > upto else upto)
 
     def save_state(self, request_id: Any, row: Row, index: int, hashes: Any) -> None:
@@ -361,32 +359,3 @@ class GroupCopy:
     def keeps_every_token(self) -> bool:
         """True when the policy never skips a token (no null entries, nothing slides out)."""
         return self.mode == KEEPS_ALL
-
-
-def _stored_row(key: str, request_id: Any, position: int, block: int, digest: bytes,
-                hashes: Any, m: int) -> tuple[Any, ...]:
-    """The T row of caching ``block`` at ``position`` (one block of :func:`_stored_rows`)."""
-    bs = m * hashes.block_size
-    return (key, request_id, position, block, digest,
-            hashes._digests[position * m - 1] if position else None,
-            tuple(hashes._tokens[position * bs:(position + 1) * bs]))
-
-
-def _stored_rows(key: str, request_id: Any, positions: Sequence[int], run: Sequence[int],
-                 digests: Sequence[bytes], hashes: Any, m: int) -> Any:
-    """The T rows of caching ``run`` at ``positions`` under ``digests`` (``m`` hash blocks each).
-
-    A row carries the parent digest (None at position 0) and the block's
-    tokens; a contiguous run (the common case) builds them with no Python loop.
-    """
-    first, n = positions[0], len(run)
-    every, tokens = hashes._digests, hashes._tokens
-    bs = m * hashes.block_size
-    if positions[-1] - first + 1 == n:
-        toks = iter(tokens[first * bs:(first + n) * bs])
-        parents = (every[first * m - 1:(first + n) * m - 1:m] if first
-                   else [None, *every[m - 1:(n - 1) * m:m]])
-        return zip(repeat(key), repeat(request_id), positions, run, digests, parents,
-                   zip(*[toks] * bs, strict=True))
-    return [_stored_row(key, request_id, q, b, h, hashes, m)
-            for q, b, h in zip(positions, run, digests, strict=True)]

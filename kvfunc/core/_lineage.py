@@ -46,9 +46,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 __all__ = [
+    "CACHED",
     "COUNTED",
     "EVICTED",
     "KEYS",
@@ -60,6 +62,7 @@ __all__ = [
     "REFS",
     "SLOTS",
     "STORED",
+    "UNCACHED",
     "Node",
     "Reading",
     "Store",
@@ -79,14 +82,17 @@ LOCK = threading.RLock()
 #: ``ids``, taken or released (``(COUNTED, ids, old counts)``); ``STORED`` / ``EVICTED``:
 #: ``by_key`` at ``key`` and ``hash_of`` at block ``b`` (``(kind, key, old, b)``: the block
 #: was uncached / cached under ``key``); ``LINKED``: ``prev`` and ``next`` of blocks ``ids``
-#: (``(LINKED, ids, old prevs, old nexts)``).
-REFS, SLOTS, PREV, NEXT, KEYS, COUNTED, STORED, EVICTED, LINKED = range(9)
+#: (``(LINKED, ids, old prevs, old nexts)``); ``CACHED`` / ``UNCACHED``: ``by_key`` at ``keys``
+#: and ``hash_of`` at ``blocks`` (``(kind, keys, blocks)``: each block was uncached and its
+#: key absent / each key cached its block alone).
+REFS, SLOTS, PREV, NEXT, KEYS, COUNTED, STORED, EVICTED, LINKED, CACHED, UNCACHED = range(11)
+_T = TypeVar("_T")
 MISSING: Any = object()  # a key's old value when it was not in the index
 #: A store compacts after logging ``max(COMPACT_MIN, its entries)`` entries.
 COMPACT_MIN = 4096
 
 
-def kept(ids: Any) -> tuple[int, ...]:
+def kept(ids: Sequence[_T]) -> tuple[_T, ...]:
     """``ids`` as a tuple: an entry that a log (or a delta) keeps is never written again.
 
     >>> kept([3, 4]), kept((5,))
@@ -182,6 +188,16 @@ def _roll_back(s: Store, log: list[Any], size: int) -> None:
             for b, p, n in zip(e[1], e[2], e[3], strict=True):
                 prev[b] = p
                 nxt[b] = n
+        elif c >= CACHED:  # keys and blocks distinct: any order
+            hash_of = s.hash_of
+            if c == CACHED:
+                for k, b in zip(e[1], e[2], strict=True):
+                    index.pop(k, None)  # a write logged may not have happened yet (a fork)
+                    hash_of[b] = None  # type: ignore[index]
+            else:
+                for k, b in zip(e[1], e[2], strict=True):
+                    index[k] = b
+                    hash_of[b] = k  # type: ignore[index]
         else:  # KEYS, STORED, EVICTED
             key, old = e[1], e[2]
             if old is MISSING:
@@ -240,8 +256,8 @@ def _own(v: Version) -> Store:
 def commit(s: Store, log: list[Any], base: Version, bulk: int = 0) -> Version:
     """End the transition holding ``s``: the version of its result (``base``'s successor).
 
-    ``bulk``: the writes that the log's entries of several blocks (``COUNTED``, ``LINKED``)
-    hold beyond one each, so that compaction weighs every write."""
+    ``bulk``: the writes that the log's entries of several blocks (``COUNTED``, ``LINKED``,
+    ``CACHED``, ``UNCACHED``) hold beyond one each, so that compaction weighs every write."""
     with LOCK:
         s.txn = None
         new = Version(s)

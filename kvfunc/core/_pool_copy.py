@@ -10,11 +10,14 @@ it freezes (:func:`~kvfunc.core._lineage.commit`: a new head) or aborts
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import compress, repeat
+from operator import itemgetter
 from typing import Any
 
 from kvfunc.core._builder import DeltaBuilder
 from kvfunc.core._lineage import (
+    CACHED,
     COUNTED,
     EVICTED,
     KEYS,
@@ -22,6 +25,7 @@ from kvfunc.core._lineage import (
     REFS,
     SLOTS,
     STORED,
+    UNCACHED,
     Store,
     abort,
     claim,
@@ -101,14 +105,14 @@ class PoolCopy:
                 if self.num_cached and self.hash_of[b] is not None:
                     self._evict_run(out)
                 return out
-            self.log.append((COUNTED, tuple(out), [refs[b] for b in out]))
+            self.log.append((COUNTED, tuple(out), list(map(refs.__getitem__, out))))
             self.queue.bulk += n - 1
             for b in out:
                 refs[b] = 1
-            if self.num_cached:
-                hash_of = self.hash_of
-                if cached := [b for b in out if hash_of[b] is not None]:
-                    self._evict_run(cached)
+            # a key is never empty: the blocks with a truthy key are the cached ones
+            if self.num_cached and (cached := list(compress(out, map(self.hash_of.__getitem__,
+                                                                      out)))):
+                self._evict_run(cached)
         return out
 
     def free(self, ids: Sequence[int], key: str, priority: int = 0) -> None:
@@ -173,15 +177,15 @@ class PoolCopy:
     def _release_repeats(self, ids: tuple[int, ...], key: str, priority: int) -> None:
         """:meth:`release` of a run that names a block more than once: one holder dropped per
         mention; a block is freed, in the run's order, where its last holder goes."""
-        refs, olds, freed = self.refs, dict[int, int](), []
+        refs, freed = self.refs, []
+        olds = dict(zip(ids, map(refs.__getitem__, ids), strict=True))  # the first of each
+        self.log.append((COUNTED, tuple(olds), list(olds.values())))  # logged before written
+        self.queue.bulk += len(olds) - 1
         for b in ids:
             r = refs[b]
-            olds.setdefault(b, r)
             refs[b] = r - 1
             if r == 1:
                 freed.append(b)
-        self.log.append((COUNTED, tuple(olds), list(olds.values())))
-        self.queue.bulk += len(olds) - 1
         self.free(freed, key, priority)
 
     def unhold(self, b: int) -> int:
@@ -240,11 +244,12 @@ class PoolCopy:
 
     def store_run(self, blocks: Sequence[int], keys: Sequence[bytes]) -> None:
         """Cache each block under its key (none of them holds anything cached)."""
-        index, hash_of, log = self.by_key, self.hash_of, self.log
-        if len(keys) > 1 and not any(map(index.__contains__, keys)) and len(set(keys)) == len(
-                keys):
-            log.extend([(STORED, k, MISSING, b) for b, k in zip(blocks, keys, strict=True)])
-            index.update(zip(keys, blocks, strict=True))  # none cached yet: one update
+        index, hash_of, log, n = self.by_key, self.hash_of, self.log, len(blocks)
+        if n > 1 and len(set(keys)) == n and index.keys().isdisjoint(keys):
+            keys, blocks = kept(keys), kept(blocks)
+            log.append((CACHED, keys, blocks))  # none cached yet: one entry, one update
+            self.queue.bulk += n - 1
+            index.update(zip(keys, blocks, strict=True))
         else:
             get = index.get
             for b, key in zip(blocks, keys, strict=True):
@@ -254,28 +259,53 @@ class PoolCopy:
                               else (*found, b))
         for b, key in zip(blocks, keys, strict=True):
             hash_of[b] = key
-        self.num_cached += len(blocks)
+        self.num_cached += n
 
-    def _evict_run(self, blocks: list[int]) -> None:
+    def _evict_run(self, blocks: Sequence[int]) -> None:
         """Forget what ``blocks`` cache; records their E rows, in order."""
-        index, hash_of, log, sink = self.by_key, self.hash_of, self.log.append, self.sink
-        rows = None if sink is None else sink.rows.append
-        members, tagged = self.members, self.tagged
-        for b in blocks:
+        index, hash_of, sink = self.by_key, self.hash_of, self.sink
+        if len(blocks) == 1:  # the common decode step: one block taken
+            b = blocks[0]
             key = hash_of[b]
             found = index[key]
-            log((EVICTED, key, found, b))
+            self.log.append((EVICTED, key, found, b))
             if type(found) is int:
                 del index[key]
-            else:  # copies of one key: keep the others
-                rest = tuple(x for x in found if x != b)
-                index[key] = rest[0] if len(rest) == 1 else rest
+            else:
+                self._drop_copy(key, found, b)
             hash_of[b] = None
-            if rows is not None:
-                rows((members[key[-1]], b, key[:-1]) if tagged else (members[0], b, key))
+            self.num_cached -= 1
+            if sink is not None:
+                sink.rows.append((self.members[key[-1]], b, key[:-1]) if self.tagged
+                                 else (self.members[0], b, key))
+                sink.codes.append("E")
+            return
+        keys = list(map(hash_of.__getitem__, blocks))
+        if list(map(index.__getitem__, keys)) == blocks:
+            blocks = kept(blocks)  # each key caches its block alone (``keys``: ours alone)
+            self.log.append((UNCACHED, keys, blocks))
+            self.queue.bulk += len(blocks) - 1
+            for key, b in zip(keys, blocks, strict=True):
+                del index[key]
+                hash_of[b] = None
+        else:
+            log = self.log.append
+            for key, b in zip(keys, blocks, strict=True):
+                found = index[key]
+                log((EVICTED, key, found, b))
+                if type(found) is int:
+                    del index[key]
+                else:
+                    self._drop_copy(key, found, b)
+                hash_of[b] = None
         self.num_cached -= len(blocks)
         if sink is not None:
-            sink.codes.append("E" * len(blocks))
+            sink.spell("E", len(blocks), _evicted_rows, self.members, self.tagged, blocks, keys)
+
+    def _drop_copy(self, key: bytes, found: tuple[int, ...], b: int) -> None:
+        """Forget block ``b``'s copy of ``key``, of the copies ``found`` (it keeps the others)."""
+        rest = tuple(x for x in found if x != b)
+        self.by_key[key] = rest[0] if len(rest) == 1 else rest
 
     def evict(self, b: int) -> bool:
         """Forget what block ``b`` caches, held or free (vLLM's ``evict_blocks``); True if it did.
@@ -339,6 +369,16 @@ class PoolCopy:
             abort(self.store, self.log)  # type: ignore[arg-type]
             self.log = None
             self.queue.log = _closed
+
+
+def _evicted_rows(members: tuple[str, ...], tagged: bool, blocks: Sequence[int],
+                  keys: Sequence[bytes]) -> Iterable[tuple[str, int, bytes]]:
+    """The E rows of forgetting ``blocks``' ``keys`` (``tagged``: a shared pool's keys, which
+    end in their group's index among ``members``)."""
+    if tagged:
+        return zip(map(members.__getitem__, map(itemgetter(-1), keys)), blocks,
+                   [k[:-1] for k in keys], strict=True)
+    return zip(repeat(members[0]), blocks, keys, strict=False)
 
 
 def _closed(entry: Any) -> None:
