@@ -166,12 +166,12 @@ class PoolCopy:
         if len(set(ids)) < len(ids):  # a block twice (holders outside the tables let go)
             self._release_repeats(ids, key, priority)
             return
-        left = [refs[b] - 1 for b in ids]
-        log((COUNTED, ids, [r + 1 for r in left]))
+        olds = list(map(refs.__getitem__, ids))
+        log((COUNTED, ids, olds))
         self.queue.bulk += len(ids) - 1
-        for b, r in zip(ids, left, strict=True):
-            refs[b] = r
-        self.free([b for b, r in zip(ids, left, strict=True) if not r] if any(left) else ids,
+        for b in ids:
+            refs[b] -= 1
+        self.free(ids if olds.count(1) == len(olds) else list(compress(ids, map((1).__eq__, olds))),
                   key, priority)
 
     def _release_repeats(self, ids: tuple[int, ...], key: str, priority: int) -> None:
