@@ -264,7 +264,8 @@ class PoolCopy:
     def _evict_run(self, blocks: Sequence[int]) -> None:
         """Forget what ``blocks`` cache; records their E rows, in order."""
         index, hash_of, sink = self.by_key, self.hash_of, self.sink
-        if len(blocks) == 1:  # the common decode step: one block taken
+        if len(blocks) == 1:  # the common decode step: one block taken, its E row built here
+            # (as ``_evicted_rows`` spells it; through that function it costs several times more)
             b = blocks[0]
             key = hash_of[b]
             found = index[key]

@@ -280,8 +280,10 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
     (:func:`blocks_needed`), what completes (:func:`completes`), the room
     check (:func:`has_room`), the recycling first (:func:`recycle_first`),
     the caching (:func:`cache_step`); only registering, sharing and copying,
-    which it never needs, are left out.  False (``tr`` untouched) when a
-    pool lacks the blocks.
+    which it never needs, are left out.  An entry that only grows takes its
+    blocks at once, as :func:`step`'s own decode case does: one group after
+    :func:`fits`, several after one :func:`has_room`, with no recycling pass.
+    False (``tr`` untouched) when a pool lacks the blocks.
     """
     views, plans, grows = tr.views, [], True
     for view, row, slides in work:
