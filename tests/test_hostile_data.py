@@ -134,6 +134,42 @@ def test_an_int_subclass_token_is_refused_on_every_path(tokens: list[int]) -> No
         assert isinstance(raises_typed(lambda: start.update(tokens)), kf.InvalidTypeError)
 
 
+class _Lying(Sequence[int]):
+    """Tokens whose length and slices disagree, or whose slices are not lists."""
+
+    def __init__(self, size: int, sliced: Any) -> None:
+        self.size, self.sliced = size, sliced
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            if isinstance(self.sliced, BaseException):
+                raise self.sliced
+            return self.sliced
+        return 1
+
+
+@pytest.mark.parametrize("tokens", [
+    "abcdefgh", b"abcdefgh", {0: 1}, None, 5, iter(range(8)),
+    _Lying(1000, [1]), _Lying(1000, [1] * 9), _Lying(8, 7), _Lying(8, "ab"),
+    _Lying(8, IndexError("boom")), _Lying(8, ValueError("boom")),
+    [1, 2, 3, 4, 5, True], (1, 2, 3, 4, 5, IntSubclass(6)), [1, 2, 3, 4, 5, 2 ** 63],
+], ids=["str", "bytes", "dict", "None", "int", "iterator", "long but a short slice",
+        "a slice too long", "a slice not a sequence", "a slice of text", "a slice raising",
+        "a slice raising ValueError", "a bool", "an int subclass in a tuple", "past int64"])
+def test_extending_external_hashes_with_junk_tokens_is_a_typed_error(tokens: Any) -> None:
+    """``extended`` reads only the new blocks' slice of the tokens: whatever the sequence
+    says its length is, a slice that is short, long, not a sequence or holds a non-int is a
+    typed error, and the value extended is unchanged."""
+    h = kf.BlockHashes.of_digests([b"d0", b"d1"], [1, 2, 3, 4], 2)
+    raises_typed(lambda: h.extended([b"d2"], tokens))
+    assert h.num_blocks == 2 and h.hashes == (b"d0", b"d1")
+    good = h.extended([b"d2"], (1, 2, 3, 4, 5, 6))  # a tuple's slice is a tuple: accepted
+    assert good.blocks[2] == (5, 6) and h.extended([b"d2"], _Lying(6, [5, 6])).blocks[2] == (5, 6)
+
+
 class _PosesAsInt(type):
     """A metaclass whose classes compare equal to ``int`` (an equality check would pass them)."""
 

@@ -311,3 +311,59 @@ def test_decode_steps_that_only_grow_take_the_lean_steps_growth_and_equal_the_st
         assert fast_calls["has_room"] == 0  # one group: its own room check, no plan
     else:
         assert fast_calls["has_room"] > 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("layout", ["per-type", "shared"])
+def test_idle_means_a_step_with_any_hashes_leaves_the_state_as_it_is(seed: int,
+                                                                     layout: str) -> None:
+    """``idle`` (the vLLM manager's check before it fetches a request's hashes): whenever it
+    says a decode step of one token (and a lookahead) has nothing to do, the transition with
+    the request's hashes, or without any, returns the state it was given and an empty delta;
+    every step it does not call idle is one that changes the state or needed the check."""
+    rng = random.Random(seed)
+    groups: dict[str, Any] = {"full": kf.FullAttention(num_blocks=40, block_size=4)}
+    if seed % 2:
+        groups["swa"] = kf.SlidingWindow(num_blocks=40, block_size=4, sliding_window=6)
+    state = kf.KVState.create(groups, 128, enable_prefix_caching=True, layout=layout)
+    prefix = [rng.randrange(3) for _ in range(8)]
+    toks: dict[int, list[int]] = {}
+    idle_steps = busy_steps = 0
+    for rid in range(120):
+        if len(toks) < 4:
+            t = toks[rid] = prefix[:rng.randint(0, 8)] + [rng.randrange(9) for _ in range(3)]
+            h = kf.BlockHashes.of(t, 4)
+            hit = kf.lookup_prefix(state, h, max_tokens=len(t) - 1)
+            r = kf.allocate_slots(state, rid, hit.num_tokens, len(t) - hit.num_tokens,
+                                  block_hashes=h, prefix_hit=hit)
+            state = r.state if r.ok else state
+            if not r.ok:
+                del toks[rid]
+            continue
+        victim = rng.choice(list(toks))
+        t = toks[victim]
+        if len(t) > 60 or rng.random() < 0.05:
+            state = kf.free_request(state, victim, block_hashes=kf.BlockHashes.of(t, 4))[0]
+            del toks[victim]
+            continue
+        t.append(rng.randrange(9))
+        computed, lookahead = len(t) - 1, rng.choice([0, 0, 1, 5])
+        quiet = fold_module.idle(state.groups, state.max_model_len, victim, computed,
+                                 computed + 1, computed + 1 + lookahead)
+        h = kf.BlockHashes.of(t, 4)
+        r = kf.allocate_slots(state, victim, computed, 1, lookahead, block_hashes=h)
+        if quiet:
+            bare = kf.allocate_slots(state, victim, computed, 1, lookahead)
+            assert r.ok and r.state is state and r.delta.is_empty
+            assert bare.ok and bare.state is state and bare.delta.is_empty
+            idle_steps += 1
+        elif r.state is not state:
+            busy_steps += 1
+        if r.ok:
+            state = r.state
+        else:
+            t.pop()
+    assert idle_steps > 10 and busy_steps > 5, (idle_steps, busy_steps)
+    with lane(False):  # with the lane off nothing is idle: every entry goes to the step
+        assert not any(fold_module.idle(state.groups, state.max_model_len, rid, len(t) - 1,
+                                        len(t), len(t)) for rid, t in toks.items())

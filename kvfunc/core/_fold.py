@@ -40,7 +40,8 @@ from kvfunc.core._prefix import PrefixHit
 from kvfunc.core._step import lean_step, step
 from kvfunc.core._transient import Transient
 
-__all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "quiet", "slot_entry"]
+__all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "idle", "quiet",
+           "slot_entry"]
 
 #: Whether the fold skips the step for entries that the rows' quiet limits call quiet
 #: (the lane).  Tests turn it off to compare the lane with the step on random programs.
@@ -274,6 +275,27 @@ def quiet(views: Sequence[Any], limit: int, checked: Collection[int], rid: Any, 
             return False
         if (not row[8] <= computed < row[6] or total > row[5]
                 or (hashes is not None and written >= row[7] and hashes.num_tokens >= row[7])):
+            return False
+    return True
+
+
+def idle(views: Sequence[Any], limit: int, rid: Any, computed: int, written: int,
+         total: int) -> bool:
+    """Whether ``(computed, written, total)`` tokens of ``rid`` leave every group as it is,
+    whatever hashes came with them.
+
+    :func:`quiet`'s question for a caller that has not fetched the request's
+    hashes yet: every row's quiet limits hold and ``written`` stays below
+    each row's ``fill`` (no block completes, so no hashes could cache one).
+    The counts are the caller's own ints (a running request's), not checked
+    here; True means a transition on them would return its state unchanged.
+    """
+    if not (LANE and total <= limit and written <= limit):
+        return False
+    for view in views:
+        row = view.rows.get(rid)
+        if (row is None or not row[8] <= computed < row[6] or total > row[5]
+                or written >= row[7]):
             return False
     return True
 

@@ -319,16 +319,27 @@ class BlockHashes:
         if self.hash_fn != EXTERNAL:
             raise NotSupportedError("only hashes computed elsewhere are extended; use update()")
         new = _digest_list(digests)
-        _token_list(token_ids)
-        bs, n = self.block_size, self.num_blocks
-        if len(token_ids) < (n + len(new)) * bs:
-            msg = (f"{len(new)} more digests need {excerpt((n + len(new)) * bs)} tokens, got "
-                   f"{len(token_ids)}")
-            raise InvalidArgumentError(msg)
-        if not new:
+        k = len(new)
+        if not k:
+            _token_list(token_ids)
             return self
-        fresh = list(token_ids[n * bs:(n + len(new)) * bs])
-        _pack(fresh)
+        bs, n = self.block_size, self.num_blocks
+        try:
+            fresh = token_ids[n * bs:(n + k) * bs]
+        except (TypeError, KeyError, IndexError, ValueError):  # no slices: not a sequence
+            _token_list(token_ids)
+            raise InvalidTypeError(f"token_ids must be a sequence of ints, got "
+                                   f"{excerpt(token_ids)}") from None
+        if type(fresh) is not list:  # a tuple's slice, or another sequence's
+            _token_list(token_ids)  # text is a typed error
+            _token_list(fresh)
+        if len(fresh) != k * bs:
+            msg = (f"{k} more digests need {excerpt((n + k) * bs)} tokens, got "
+                   f"{n * bs + len(fresh)}")
+            raise InvalidArgumentError(msg)
+        if type(fresh) is not list:
+            fresh = [fresh[i] for i in range(k * bs)]  # as many reads as it claims, no more
+        _pack(fresh)  # ints in the int64 range, no bools
         digests_, tokens = self._digests, self._tokens
         with _APPEND:
             if len(digests_) == n:
@@ -338,8 +349,7 @@ class BlockHashes:
         if new:
             digests_, tokens = digests_[:n] + new, tokens[:n * bs] + fresh
         value = _new_hashes(BlockHashes)
-        value._fill(bs, EXTERNAL, self.root, digests_, tokens, len(digests_) if not new
-                    else n + len(new))
+        value._fill(bs, EXTERNAL, self.root, digests_, tokens, n + k)
         return value
 
     def parent_hash(self, index: int) -> BlockHash | None:

@@ -46,7 +46,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 __all__ = ["ASK", "NULL", "Row", "TablesView", "append_ids", "grown", "leading_nulls", "make_row",
-           "recycled_free", "remade", "replaced", "row_table"]
+           "recycled_free", "remade", "replaced", "row_table", "row_tail"]
 
 NULL = 0
 
@@ -172,6 +172,19 @@ def row_table(row: Row) -> tuple[int, ...]:
     nulls = row.nulls
     table = tuple(row.ids[nulls:row.length])
     return (NULL,) * nulls + table if nulls else table
+
+
+def row_tail(row: Row, start: int) -> list[int]:
+    """The row's entries from position ``start`` on, null entries as block 0.
+
+    >>> row = make_row((8, 9, 7), 2, 0, 0, 0)
+    >>> row_tail(row, 1), row_tail(row, 3), row_tail(row, 9)
+    ([0, 8, 9, 7], [9, 7], [])
+    """
+    nulls = row[1]
+    if start >= nulls:
+        return row[0][start:row[9]]
+    return [NULL] * (nulls - start) + row[0][nulls:row[9]]
 
 
 def leading_nulls(entries: Sequence[int]) -> int:

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvfunc as kf
+from kvfunc.core._fold import idle
+from kvfunc.core._rows import row_tail
 from kvfunc.vllm import _accounting, _inflight
 from kvfunc.vllm._base import ManagerBase
 from kvfunc.vllm._events import cached_block_events
@@ -133,6 +135,9 @@ class Allocation(ManagerBase):
         if computed > self.max_model_len:
             computed = self.max_model_len
         written = computed + num_new_tokens
+        if idle(state.groups, state.max_model_len, rid, computed, written,
+                written + num_lookahead_tokens):
+            return self.empty_kv_cache_blocks  # the common decode step: nothing to do
         hashes = self._hashes.for_step(request, written) if self.enable_caching else None
         result = kf.allocate_slots(state, rid, computed, num_new_tokens, num_lookahead_tokens,
                                    block_hashes=hashes)
@@ -291,10 +296,15 @@ class Allocation(ManagerBase):
         zeroed: list[int] = []
         handles, zeroing = self._handles.blocks, self._zeroing
         for i, (old, new) in enumerate(zip(before.groups, after.groups, strict=True)):
-            held = len(hit.block_ids[old.key]) if hit is not None else len(old.table(rid))
-            table = new.table(rid)
-            returned = table[max(held, first_new):]
+            if hit is not None:
+                held = len(hit.block_ids[old.key])
+            else:
+                row = old.rows.get(rid)
+                held = 0 if row is None else row.length
+            row = new.rows[rid]
+            returned = row_tail(row, held if held > first_new else first_new)
             out.append(handles(returned))
             if zeroing:
-                zeroed += (b for b in (returned if i in skip_zeroing else table[held:]) if b)
+                zeroed += (b for b in (returned if i in skip_zeroing else row_tail(row, held))
+                           if b)
         return self.create_kv_cache_blocks(tuple(out)), zeroed

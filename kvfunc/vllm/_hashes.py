@@ -48,9 +48,10 @@ class RequestHashes:
         got = self._by_request.get(request.request_id)
         if got is not None:
             m, value = got
-            if m == n and (not n or value.parent_hash(n) == digests[n - 1]):
+            last = value._digests[m - 1] if m else None  # the value's own last digest
+            if m == n and (not n or last == digests[n - 1]):
                 return value
-            if m < n and (not m or value.parent_hash(m) == digests[m - 1]):
+            if m < n and (not m or last == digests[m - 1]):
                 value = value.extended(digests[m:], request.all_token_ids)
                 self._by_request[request.request_id] = (n, value)
                 return value

@@ -79,6 +79,30 @@ def test_scheduler_steps_are_vllms(windows: tuple[int | None, ...], caching: boo
     assert preempted  # the pool was tight enough to preempt
 
 
+def test_idle_decode_steps_skip_the_transition_and_change_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manager answers a decode step with nothing to do before it fetches hashes or
+    opens a transition (``idle``); with that check made to say no, every step goes through
+    the transition, and the scheduler's steps are the same."""
+    import kvfunc.vllm._allocate as allocate
+
+    real, taken = allocate.idle, [0]
+
+    def counted(*args: Any) -> bool:
+        answer = real(*args)
+        taken[0] += answer
+        return answer
+
+    for windows in ((None,), (None, 32)):
+        monkeypatch.setattr(allocate, "idle", counted)
+        fast, s = drive("kvfunc", windows, True, False, 5)
+        monkeypatch.setattr(allocate, "idle", lambda *args: False)
+        slow, _ = drive("kvfunc", windows, True, False, 5)
+        assert fast == slow
+        kf.check_invariants(s.kv_cache_manager.state)
+    assert taken[0] > 100
+
+
 def test_shadowed_scheduler_finds_nothing() -> None:
     """The same workloads in strict shadow mode: no divergence anywhere."""
     for windows, caching, async_ in CONFIGS:
