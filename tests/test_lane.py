@@ -225,29 +225,42 @@ def test_a_window_sliding_one_block_takes_the_lean_step_and_equals_the_step(monk
     assert fast_steps == [40]  # only the jump past two blocks reached the step
 
 
-@pytest.mark.parametrize("layout", ["per-type", "shared"])
+@pytest.mark.parametrize("layout", ["per-type", "shared", "full only"])
 def test_decode_steps_that_complete_blocks_take_the_lean_step_and_equal_the_step(
         layout: str, monkeypatch: Any) -> None:
-    """Decode steps of a full + window model, prefix caching on, hashing the token each step
-    writes or only those before it: a step that completes a block (alone, with a new block,
-    with the window sliding) is served by the lane's lean step, and every state, delta and
-    refusal equals the general step's."""
-    groups = {"full": kf.FullAttention(num_blocks=8, block_size=4),
-              "swa": kf.SlidingWindow(num_blocks=8, block_size=4, sliding_window=8)}
-    base = kf.KVState.create(groups, 256, enable_prefix_caching=True, layout=layout)
+    """Decode steps of a full + window model and of a full one, prefix caching on, hashing
+    the token each step writes or only those before it: a step that completes a block (alone,
+    with a new block, with the window sliding) is served by the lane's lean step, one that
+    only caches with no room check or recycling pass, and every state, delta and refusal
+    equals the general step's."""
+    groups: dict[str, Any] = {"full": kf.FullAttention(num_blocks=8, block_size=4)}
+    if layout != "full only":
+        groups["swa"] = kf.SlidingWindow(num_blocks=8, block_size=4, sliding_window=8)
+    base = kf.KVState.create(groups, 256, enable_prefix_caching=True,
+                             layout="per-type" if layout == "full only" else layout)
     tokens = list(range(60))
     start = kf.allocate_slots(base, "r", 0, 5, block_hashes=kf.BlockHashes.of(tokens[:5], 4))
+    import kvfunc.core._step as step_module
+
     stepped: list[Any] = []
-    real = fold_module.step
+    recycled: list[int] = []
+    real, real_first = fold_module.step, step_module.recycle_first
     monkeypatch.setattr(fold_module, "step", lambda *a: stepped.append(a[1]) or real(*a))
-    runs = []
+    monkeypatch.setattr(step_module, "recycle_first",
+                        lambda *a: recycled.append(1) or real_first(*a))
+    runs, alone = [], 0
     for on in (True, False):
         state, out = start.state, []
         with lane(on):
             for done in range(5, 56):
                 eager = (done // 4) % 2 == 0  # hashing the token written, or not yet
                 h = kf.BlockHashes.of(tokens[:done + eager], 4)
+                recycled.clear()
                 r = kf.allocate_slots(state, "r", done, 1, block_hashes=h)
+                if on and r.delta.stored_keys and not (r.delta.appended_block_ids
+                                                       or r.delta.nulled_positions):
+                    assert not recycled  # caching alone: no plan of room or recycling
+                    alone += 1
                 out.append((r.ok, r.state, r.delta))
                 state = r.state
                 if not r.ok:
@@ -262,7 +275,10 @@ def test_decode_steps_that_complete_blocks_take_the_lean_step_and_equal_the_step
     stored = [d for d in deltas if d.stored_keys]
     assert any(not d.appended_block_ids for d in stored)  # a block completes alone
     assert any(d.appended_block_ids for d in stored)  # and with a new block
-    assert any(d.nulled_positions for d in stored)  # and with the window sliding
+    if layout == "full only":  # a block completes with nothing else to do
+        assert alone, "no step cached a block alone"
+    else:
+        assert any(d.nulled_positions for d in stored)  # and with the window sliding
 
 
 @pytest.mark.parametrize("models", ["full", "full+swa per-type", "full+swa shared"])
@@ -315,12 +331,12 @@ def test_decode_steps_that_only_grow_take_the_lean_steps_growth_and_equal_the_st
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("layout", ["per-type", "shared"])
-def test_idle_means_a_step_with_any_hashes_leaves_the_state_as_it_is(seed: int,
-                                                                     layout: str) -> None:
+def test_idle_tells_a_step_with_nothing_to_do_or_only_caching(seed: int, layout: str) -> None:
     """``idle`` (the vLLM manager's check before it fetches a request's hashes): whenever it
     says a decode step of one token (and a lookahead) has nothing to do, the transition with
     the request's hashes, or without any, returns the state it was given and an empty delta;
-    every step it does not call idle is one that changes the state or needed the check."""
+    when it says only caching, the transition with hashes only caches (T rows) and the one
+    without any changes nothing; without the caching bit nothing is cached."""
     rng = random.Random(seed)
     groups: dict[str, Any] = {"full": kf.FullAttention(num_blocks=40, block_size=4)}
     if seed % 2:
@@ -328,7 +344,7 @@ def test_idle_means_a_step_with_any_hashes_leaves_the_state_as_it_is(seed: int,
     state = kf.KVState.create(groups, 128, enable_prefix_caching=True, layout=layout)
     prefix = [rng.randrange(3) for _ in range(8)]
     toks: dict[int, list[int]] = {}
-    idle_steps = busy_steps = 0
+    seen = {fold_module.NOTHING: 0, fold_module.CACHING: 0, fold_module.BUSY: 0}
     for rid in range(120):
         if len(toks) < 4:
             t = toks[rid] = prefix[:rng.randint(0, 8)] + [rng.randrange(9) for _ in range(3)]
@@ -348,22 +364,24 @@ def test_idle_means_a_step_with_any_hashes_leaves_the_state_as_it_is(seed: int,
             continue
         t.append(rng.randrange(9))
         computed, lookahead = len(t) - 1, rng.choice([0, 0, 1, 5])
-        quiet = fold_module.idle(state.groups, state.max_model_len, victim, computed,
-                                 computed + 1, computed + 1 + lookahead)
+        work = fold_module.idle(state.groups, state.max_model_len, victim, computed,
+                                computed + 1, computed + 1 + lookahead)
         h = kf.BlockHashes.of(t, 4)
         r = kf.allocate_slots(state, victim, computed, 1, lookahead, block_hashes=h)
-        if quiet:
-            bare = kf.allocate_slots(state, victim, computed, 1, lookahead)
+        bare = kf.allocate_slots(state, victim, computed, 1, lookahead)
+        if work == fold_module.NOTHING:
             assert r.ok and r.state is state and r.delta.is_empty
+        if work in (fold_module.NOTHING, fold_module.CACHING):
             assert bare.ok and bare.state is state and bare.delta.is_empty
-            idle_steps += 1
-        elif r.state is not state:
-            busy_steps += 1
+            assert set(r.delta.order) <= {"T"}
+        if not work & fold_module.CACHING:
+            assert not r.delta.stored_keys
+        seen[work & fold_module.BUSY or work] += 1
         if r.ok:
             state = r.state
         else:
             t.pop()
-    assert idle_steps > 10 and busy_steps > 5, (idle_steps, busy_steps)
-    with lane(False):  # with the lane off nothing is idle: every entry goes to the step
-        assert not any(fold_module.idle(state.groups, state.max_model_len, rid, len(t) - 1,
-                                        len(t), len(t)) for rid, t in toks.items())
+    assert min(seen.values()) > 2, seen
+    with lane(False):  # with the lane off every answer is busy (and may cache)
+        assert {fold_module.idle(state.groups, state.max_model_len, rid, len(t) - 1, len(t),
+                                 len(t)) for rid, t in toks.items()} <= {3}

@@ -40,8 +40,8 @@ from kvfunc.core._prefix import PrefixHit
 from kvfunc.core._step import lean_step, step
 from kvfunc.core._transient import Transient
 
-__all__ = ["LANE", "SlotRequest", "check_entry", "check_lookahead", "fold", "idle", "quiet",
-           "slot_entry"]
+__all__ = ["BUSY", "CACHING", "LANE", "NOTHING", "SlotRequest", "check_entry", "check_lookahead",
+           "fold", "idle", "quiet", "slot_entry"]
 
 #: Whether the fold skips the step for entries that the rows' quiet limits call quiet
 #: (the lane).  Tests turn it off to compare the lane with the step on random programs.
@@ -279,25 +279,37 @@ def quiet(views: Sequence[Any], limit: int, checked: Collection[int], rid: Any, 
     return True
 
 
+#: :func:`idle`'s answer, bits: a block completes (caching), anything else to do (busy).
+NOTHING, CACHING, BUSY = 0, 1, 2
+
+
 def idle(views: Sequence[Any], limit: int, rid: Any, computed: int, written: int,
-         total: int) -> bool:
-    """Whether ``(computed, written, total)`` tokens of ``rid`` leave every group as it is,
-    whatever hashes came with them.
+         total: int) -> int:
+    """What ``(computed, written, total)`` tokens of ``rid`` leave to do, whatever hashes
+    came with them: :data:`NOTHING`, or the bits :data:`CACHING` and :data:`BUSY`.
 
     :func:`quiet`'s question for a caller that has not fetched the request's
-    hashes yet: every row's quiet limits hold and ``written`` stays below
-    each row's ``fill`` (no block completes, so no hashes could cache one).
-    The counts are the caller's own ints (a running request's), not checked
-    here; True means a transition on them would return its state unchanged.
+    hashes yet, read from the rows' quiet limits.  CACHING: ``written``
+    reaches some row's ``fill``, so a block completes that hashes could
+    cache; without it no transition on these counts caches anything.  BUSY:
+    some row's other limits do not hold (a block to take or to let go, a
+    write to copy), or the request has no row.  NOTHING: a transition on
+    these counts returns its state unchanged; CACHING alone: it has nothing
+    to do but cache.  The counts are the caller's own ints (a running
+    request's), not checked here; without the lane every answer is both bits.
     """
     if not (LANE and total <= limit and written <= limit):
-        return False
+        return BUSY | CACHING
+    answer = NOTHING
     for view in views:
         row = view.rows.get(rid)
-        if (row is None or not row[8] <= computed < row[6] or total > row[5]
-                or written >= row[7]):
-            return False
-    return True
+        if row is None:
+            return BUSY | CACHING
+        if not row[8] <= computed < row[6] or total > row[5]:
+            answer |= BUSY
+        if written >= row[7]:
+            answer |= CACHING
+    return answer
 
 
 def _general(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] | None,

@@ -282,10 +282,12 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
     the caching (:func:`cache_step`); only registering, sharing and copying,
     which it never needs, are left out.  An entry that only grows takes its
     blocks at once, as :func:`step`'s own decode case does: one group after
-    :func:`fits`, several after one :func:`has_room`, with no recycling pass.
+    :func:`fits`, several after one :func:`has_room`, with no recycling pass;
+    one that only caches what completes (nothing taken, nothing slid out)
+    goes straight to :func:`bind_rows`.
     False (``tr`` untouched) when a pool lacks the blocks.
     """
-    views, plans, grows = tr.views, [], True
+    views, plans, grows, still = tr.views, [], True, True
     for view, row, slides in work:
         i = 0
         while views[i] is not view:
@@ -296,12 +298,16 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
             view.traits, row[9] + need, row[2] if row[2] > row[1] else row[1], computed,
             written, hashes)
         grows = grows and need > 0 and not store and upto <= row[1]
+        still = still and not need and upto <= row[1]
         if grows and len(work) == 1:  # one group only grows: no plan to build
             if not fits(tr, i, need):
                 return False
             tr.copy(i).extend(request_id, row, need)
             return True
         plans.append(_new(Plan, (i, row, None, 0, upto, 0, need, (), 0, store)))
+    if still:  # every group only caches what completes: nothing to take, nothing recycled
+        bind_rows(tr, request_id, [(p, p[1]) for p in plans], computed, written, hashes)
+        return True
     if not has_room(tr, plans, 0):
         return False
     if grows:  # every group only grows: the common decode step, as :func:`step` serves it

@@ -2,8 +2,9 @@
 
 * :class:`KVCacheManager` has vLLM's constructor and everything its
   ``Scheduler`` calls, backed by one kvfunc state: every scheduler call that
-  changes the cache is one pure transition, and the state is a value
-  (``snapshot()`` / ``restore()``);
+  changes the cache is one pure transition (one that only caches the block
+  it filled is folded into a later one, before anything reads the cache),
+  and the state is a value (``snapshot()`` / ``restore()``);
 * :func:`install` makes vLLM build it (``install(mode="shadow")``: vLLM's own
   manager stays primary and kvfunc's is mirrored and compared,
   :class:`ShadowKVCacheManager`); the ``KVFUNC_VLLM`` environment variable

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvfunc as kf
-from kvfunc.core._fold import idle
+from kvfunc.core._fold import CACHING, NOTHING, idle
 from kvfunc.core._rows import row_tail
 from kvfunc.vllm import _accounting, _inflight
 from kvfunc.vllm._base import ManagerBase
@@ -63,12 +63,13 @@ class Allocation(ManagerBase):
             return self.empty_kv_cache_blocks, 0, 0
         limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
         limit = max(limit, 0)
+        state = self._state_for(request)
         hashes = self._hashes.of(request)
-        hit = kf.lookup_prefix(self._state, hashes, max_tokens=limit)
+        hit = kf.lookup_prefix(state, hashes, max_tokens=limit)
         n = hit.num_tokens
         boundary = 0
         if len(self._layout.keys) > 1:
-            longest = _accounting.fa_hit_tokens(self._state, self._layout, hashes.hashes, limit)
+            longest = _accounting.fa_hit_tokens(state, self._layout, hashes.hashes, limit)
             boundary = longest if longest > n else 0
         if not n:
             return self.empty_kv_cache_blocks, 0, boundary
@@ -103,7 +104,7 @@ class Allocation(ManagerBase):
         hit = None
         if new_computed_blocks is not None and any(new_computed_blocks):
             hit = [[b.block_id for b in g] for g in new_computed_blocks]
-        return _accounting.blocks_to_allocate(self._state, self._layout, request_id, num_tokens,
+        return _accounting.blocks_to_allocate(self._value, self._layout, request_id, num_tokens,
                                               hit, total_computed_tokens, apply_admission_cap)
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -116,9 +117,11 @@ class Allocation(ManagerBase):
 
         The scheduler's usual call -- a running request's next tokens, no
         prefix hit, no connector, no gate, nothing in flight under a window,
-        no watermark -- is one ``kf.allocate_slots`` from the computed count
-        and returns at once when the transition changed nothing (a decode
-        step that fills no block).  Every other call is :meth:`_allocate`.
+        no watermark -- is one ``kf.allocate_slots`` from the computed count.
+        Before it, the rows say (``idle``) whether the call has nothing to
+        do (a decode step that fills no block: it returns at once) or only a
+        block to cache (it is owed: see ``_pay_owed``).  Every other call is
+        :meth:`_allocate`.
         """
         if (num_new_computed_tokens or num_external_computed_tokens or full_sequence_must_fit
                 or delay_cache_blocks or reserved_blocks or not num_new_tokens
@@ -130,19 +133,38 @@ class Allocation(ManagerBase):
                                   num_external_computed_tokens, delay_cache_blocks,
                                   full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
                                   skip_zeroing_group_ids)
-        state, rid = self._state, request.request_id
+        state, rid = self._value, request.request_id
         computed = request.num_computed_tokens
         if computed > self.max_model_len:
             computed = self.max_model_len
         written = computed + num_new_tokens
-        if idle(state.groups, state.max_model_len, rid, computed, written,
-                written + num_lookahead_tokens):
+        work = idle(state.groups, state.max_model_len, rid, computed, written,
+                    written + num_lookahead_tokens)
+        if work == NOTHING:
             return self.empty_kv_cache_blocks  # the common decode step: nothing to do
+        owed = self._owed
+        if work == CACHING and self._defers and rid not in owed:
+            self._owe(request, computed, num_new_tokens, num_lookahead_tokens)
+            return self.empty_kv_cache_blocks  # a block filled: cached later (``_pay_owed``)
         hashes = self._hashes.for_step(request, written) if self.enable_caching else None
+        merged = False
+        if owed:
+            mine = owed.get(rid)
+            if mine is not None and self._owed_keys.isdisjoint(request.block_hashes[mine[3]:]):
+                # what it owes is cached by this transition (no digest since is owed elsewhere)
+                merged = True
+                if hashes is None:
+                    hashes = self._hashes.of(request)
+            elif mine is not None or (work & CACHING and not self._owed_keys.isdisjoint(
+                    request.block_hashes)):
+                self._pay_owed()  # a digest it may cache is owed by another call: that first
+                state = self._value
         result = kf.allocate_slots(state, rid, computed, num_new_tokens, num_lookahead_tokens,
                                    block_hashes=hashes)
+        if merged and result.ok:
+            self._forgive(rid)
         new_state = result.state
-        if new_state is state:  # refused, or nothing to do: the common decode step
+        if new_state is state:  # refused, or nothing to do
             return self.empty_kv_cache_blocks if result.ok else self._refused(
                 request, max(0, computed - request.num_in_flight_tokens))
         return self._adopt(state, new_state, result.delta, request, None, (computed, written), 0,
@@ -157,7 +179,7 @@ class Allocation(ManagerBase):
         if not (num_new_tokens or num_external_computed_tokens or num_new_computed_tokens):
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
                              "computed tokens to adopt")
-        state, rid = self._state, request.request_id
+        state, rid = self._state_for(request), request.request_id
         local = request.num_computed_tokens + num_new_computed_tokens
         computed = min(local + num_external_computed_tokens, self.max_model_len)
         watermark = (self.watermark_blocks if has_scheduled_reqs
@@ -184,7 +206,8 @@ class Allocation(ManagerBase):
 
     def _refused(self, request: Any, processed: int) -> None:
         """A refused allocation: vLLM still lets go what slid out of the windows (None)."""
-        rid, state = request.request_id, self._state
+        rid = request.request_id
+        state = self._state_for(request, False)  # what it owes is cached first
         self._hashes.unsee(rid)
         if state.group(self._layout.keys[0]).row(rid) is not None:
             self._commit(*kf.recycle_skipped_blocks(state, rid, processed),
@@ -212,7 +235,7 @@ class Allocation(ManagerBase):
         gives every group its external blocks before any group its new
         ones), and tokens in flight under a window (``_inflight``).
         """
-        state = self._state
+        state = self._value
         if computed > local:  # external tokens: every group's, then every group's new ones
             start = hit.num_tokens if hit is not None else local
             entries = [kf.SlotRequest(rid, start, computed - start, 0, 0, None, hashes, hit),
@@ -259,9 +282,9 @@ class Allocation(ManagerBase):
         """vLLM's full-sequence gate: the whole sequence would not fit now."""
         full = min(request.num_tokens, self.max_model_len)
         tables = None if hit is None else [hit.block_ids[k] for k in self._layout.keys]
-        need = _accounting.blocks_to_allocate(self._state, self._layout, request.request_id,
+        need = _accounting.blocks_to_allocate(self._value, self._layout, request.request_id,
                                               full, tables, computed, True)
-        return need + watermark > self._state.pools[0].num_free
+        return need + watermark > self._value.pools[0].num_free
 
     def _hashes_for(self, request: Any, hit: kf.PrefixHit | None, delay_cache_blocks: bool,
                     written: int) -> kf.BlockHashes | None:

@@ -3,11 +3,15 @@
 :class:`ManagerBase` holds one kvfunc :class:`~kvfunc.KVState` and, between
 calls, only what vLLM needs from it: the KV events and new block ids not
 taken yet, the prefix-cache stats, the converted hashes of each request (a
-cache of ``request.block_hashes``) and the ``KVCacheBlock`` handles it gives
-vLLM.  :meth:`ManagerBase._commit` is the one place the state changes: each
+cache of ``request.block_hashes``), the ``KVCacheBlock`` handles it gives
+vLLM, and the calls owed to the cache (decode calls whose only work is
+caching a block that filled: :meth:`ManagerBase._pay_owed`).
+:meth:`ManagerBase._commit` is the one place the state changes: each
 scheduler call that changes the cache hands it one transition's state and
 delta, and it turns the delta into what vLLM reads (events, metrics, block
-ids to zero).
+ids to zero).  ``_state`` is the state with every owed call paid (what
+readers read); ``_value`` the last committed one, for what owed calls cannot
+change (free counts, tables).
 """
 
 from __future__ import annotations
@@ -84,7 +88,12 @@ class ManagerBase:
         self._layout: Layout = layout
         self._group_index = {key: i for i, key in enumerate(layout.keys)}
         self._windowed = any(w is not None for w in layout.windows)
-        self._state = layout.initial_state()
+        self._value = layout.initial_state()
+        #: request id -> (request, its entry, the digests it may cache, the digests it had):
+        #: decode calls whose only work, caching the blocks that filled, is owed (_pay_owed)
+        self._owed: dict[Any, tuple[Any, kf.SlotRequest, list[bytes], int]] = {}
+        self._owed_keys: set[bytes] = set()  # every owed call's digests (disjoint sets)
+        self._defers = enable_caching and not enable_kv_cache_events
         self._handles = Handles(layout.num_blocks, KVCacheBlock)
         self._hashes = RequestHashes(layout.block_size)
         self._events: list[Any] = []
@@ -101,6 +110,62 @@ class ManagerBase:
 
     # -- the state ---------------------------------------------------------------------
     @property
+    def _state(self) -> kf.KVState:
+        """The current state, every caching owed done first (what every reader reads)."""
+        if self._owed:
+            self._pay_owed()
+        return self._value
+
+    def _pay_owed(self) -> None:
+        """Make the owed calls' transitions now, in the order they came: one transition.
+
+        A decode call whose only work is caching the blocks its tokens fill
+        (vLLM caches each block as it fills) is not a transition of its own:
+        it is owed (:meth:`_owe`, with the hashes it came with), and done by
+        the request's next transition, or here, before anything could tell:
+        a read of the state, a lookup or caching whose digests meet an owed
+        one, a call on an owing request, an eviction or a reset.  Caching a
+        block its request holds changes no free count, no table and no block
+        another call can take, and the digests owed by different calls are
+        disjoint, so every other call gives what it would have given after
+        the owed ones.  With KV events on nothing is owed (their order is
+        vLLM's).
+        """
+        owed = self._owed
+        result = kf.allocate_batch(self._value, [entry for _, entry, _, _ in owed.values()])
+        if result.refused:  # caching takes no block: never refused
+            raise kf.KVFuncError(f"caching owed by {list(result.refused)} was refused")
+        self._owed, self._owed_keys = {}, set()
+        self._commit(result.state, result.delta, "cache_blocks", None,
+                     tuple(e[:4] for _, e, _, _ in owed.values()))
+
+    def _owe(self, request: Any, computed: int, new: int, lookahead: int) -> None:
+        """Owe a call whose only work is caching the blocks it fills (see :meth:`_pay_owed`)."""
+        hashes = self._hashes.of(request)
+        rid, state = request.request_id, self._value
+        first = min(max(g.rows[rid][2], g.rows[rid][1]) for g in state.groups)
+        keys = request.block_hashes[first:hashes.num_blocks]  # what it may cache (and no more:
+        # a later transition of the request caches past them only with digests after them)
+        if not self._owed_keys.isdisjoint(keys):  # an owed call caches one of them too
+            self._pay_owed()
+        self._owed[rid] = (request, kf.SlotRequest(rid, computed, new, lookahead, 0, None,
+                                                   hashes), keys, hashes.num_blocks)
+        self._owed_keys.update(keys)
+
+    def _forgive(self, rid: Any) -> None:
+        """``rid``'s owed call is done (its own transition cached what it owed)."""
+        keys = self._owed.pop(rid)[2]
+        self._owed_keys.difference_update(keys)
+
+    def _state_for(self, request: Any, reads_digests: bool = True) -> kf.KVState:
+        """The state as a call about ``request`` sees it: the owed calls paid first when it
+        owes one, or (``reads_digests``) when its digests meet an owed one."""
+        if self._owed and (request.request_id in self._owed or (
+                reads_digests and not self._owed_keys.isdisjoint(request.block_hashes))):
+            self._pay_owed()
+        return self._value
+
+    @property
     def state(self) -> kf.KVState:
         """The current kvfunc state (a value: keep it, query it, replay onto it)."""
         return self._state
@@ -116,20 +181,23 @@ class ManagerBase:
         """
         if not isinstance(state, kf.KVState):
             raise kf.InvalidTypeError(f"restore takes a KVState, got {type(state).__name__}")
-        mine = self._state
+        mine = self._value
         if (state.manager_keys != mine.manager_keys or state.max_model_len != mine.max_model_len
                 or [p.num_blocks for p in state.pools] != [p.num_blocks for p in mine.pools]
                 or not state.prefix_caching):
             raise kf.InvalidArgumentError(
                 "restore takes a snapshot of a manager with the same KV cache layout, got a "
                 f"state of groups {state.manager_keys} and {state.max_model_len} tokens")
-        self._state = state
+        self._value = state
+        self._owed.clear()
+        self._owed_keys.clear()
         self._hashes.clear()
 
     @property
     def num_free_blocks(self) -> int:
-        """Free blocks of the one pool (cached blocks waiting in the queue included)."""
-        return self._state.pools[0].num_free
+        """Free blocks of the one pool (cached blocks waiting in the queue included; caching
+        owed changes none)."""
+        return self._value.pools[0].num_free
 
     @property
     def usage(self) -> float:
@@ -144,7 +212,7 @@ class ManagerBase:
         ``zeroed`` lists the new block ids to zero when not every block the
         delta appended needs it.
         """
-        old, self._state = self._state, state
+        old, self._value = self._value, state
         if delta.is_empty:
             return
         if self._journal is not None:

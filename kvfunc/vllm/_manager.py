@@ -9,7 +9,8 @@ attribute vLLM's ``Scheduler`` uses.  It keeps one kvfunc
 cache is one pure transition::
 
     allocate_slots            kf.allocate_slots   (refused: kf.recycle_skipped_blocks,
-                                                   as vLLM frees what slid out first)
+                                                   as vLLM frees what slid out first;
+                                                   only caching: owed, see _base)
     free                      kf.free_request
     pop_blocks_for_free       kf.detach_request   (block_pool.free_blocks later:
                                                    kf.free_detached)
@@ -48,11 +49,11 @@ class KVCacheManager(Allocation, Release):
         """The request's blocks per group, as ``KVCacheBlocks``."""
         blocks = self._handles.blocks
         return self.create_kv_cache_blocks(tuple(
-            blocks(g.table(request_id)) for g in self._state.groups))
+            blocks(g.table(request_id)) for g in self._value.groups))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block ids per group (null entries are 0)."""
-        return tuple(list(g.table(request_id)) for g in self._state.groups)
+        """The request's block ids per group (null entries are 0; caching owed changes none)."""
+        return tuple(list(g.table(request_id)) for g in self._value.groups)
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int
                                           ) -> tuple[list[int], ...]:
@@ -66,8 +67,8 @@ class KVCacheManager(Allocation, Release):
 
     def estimate_cached_tokens(self, request: Any) -> int:
         """Tokens of the request's blocks that are cached (the smallest over the groups)."""
-        return _accounting.estimate_cached_tokens(self._state, self._layout,
-                                                  request.request_id)
+        return _accounting.estimate_cached_tokens(self._state_for(request, False),
+                                                  self._layout, request.request_id)
 
     # -- stats, events, zeroing ------------------------------------------------------------
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:

@@ -28,15 +28,15 @@ class Release(ManagerBase):
 
     def free(self, request: Any) -> None:
         """Give every block of the request back (last block first)."""
-        rid = request.request_id
+        rid, state = request.request_id, self._state_for(request, False)  # what it owes first
         self._hashes.drop(rid)
-        self._commit(*kf.free_request(self._state, rid), "free", request)
+        self._commit(*kf.free_request(state, rid), "free", request)
 
     def pop_blocks_for_free(self, request: Any) -> list[Any]:
         """Drop the request's tables; its blocks stay held until ``block_pool.free_blocks``."""
-        rid = request.request_id
+        rid, state = request.request_id, self._state_for(request, False)  # what it owes first
         self._hashes.drop(rid)
-        result = kf.detach_request(self._state, rid)
+        result = kf.detach_request(state, rid)
         self._commit(result.state, result.delta, "pop_blocks_for_free", request)
         blocks = self._handles.blocks
         return [b for key in self._layout.keys for b in blocks(result.block_ids.get(key, ()))]
@@ -49,7 +49,7 @@ class Release(ManagerBase):
         """
         ids = [block.block_id for block in ordered_blocks if not block.is_null]
         if ids:
-            state, delta = kf.free_detached(self._state, {self._layout.keys[0]: ids})
+            state, delta = kf.free_detached(self._value, {self._layout.keys[0]: ids})
             self._commit(state, delta, "free_detached", None, (tuple(ids),))
 
     def evict_blocks(self, block_ids: set[int]) -> None:

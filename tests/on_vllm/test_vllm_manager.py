@@ -28,11 +28,12 @@ SCHEDULER_SURFACE = (
 
 
 def manager(windows: tuple[int | None, ...] = (None,), *, num_blocks: int = 40,
-            caching: bool = True, cls: type = KVCacheManager, **kwargs: object) -> object:
+            caching: bool = True, cls: type = KVCacheManager, events: bool = True,
+            **kwargs: object) -> object:
     """A manager (kvfunc's unless ``cls`` says otherwise) of block size BLOCK."""
     return cls(kv_cache_config(num_blocks, BLOCK, windows), max_model_len=256,
                scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=caching,
-               log_stats=True, enable_kv_cache_events=True, **kwargs)
+               log_stats=True, enable_kv_cache_events=events, **kwargs)
 
 
 def test_constructor_is_vllms() -> None:
@@ -51,17 +52,20 @@ def test_scheduler_surface_is_there() -> None:
     assert (BLOCK, "FullAttentionSpec") == (group.block_size, type(group.kv_cache_spec).__name__)
 
 
-CONFIGS = [((None,), True, 0.0), ((None,), False, 0.0), ((None, 8), True, 0.0),
-           ((None, 8), False, 0.1), ((6, None), True, 0.0)]
+CONFIGS = [((None,), True, 0.0, True), ((None,), False, 0.0, True), ((None, 8), True, 0.0, True),
+           ((None, 8), False, 0.1, True), ((6, None), True, 0.0, True),
+           ((None,), True, 0.0, False), ((None, 8), True, 0.0, False)]
 
 
-@pytest.mark.parametrize(("windows", "caching", "watermark"), CONFIGS)
+@pytest.mark.parametrize(("windows", "caching", "watermark", "events"), CONFIGS)
 @given(program=programs)
 def test_random_programs_answer_as_vllm(windows: tuple[int | None, ...], caching: bool,
-                                        watermark: float, program: list[tuple]) -> None:
-    """A strict shadow finds no difference in hits, refusals, block ids, counts, stats, events."""
+                                        watermark: float, events: bool,
+                                        program: list[tuple]) -> None:
+    """A strict shadow finds no difference in hits, refusals, block ids, counts, stats, events
+    (without KV events, calls that only cache a block are owed: the answers are the same)."""
     shadow = manager(windows, caching=caching, cls=ShadowKVCacheManager, strict=True,
-                     watermark=watermark)
+                     watermark=watermark, events=events)
     assert shadow.mirror is not None
     Player(shadow, windows).run(program)
     assert shadow.divergence is None
@@ -80,6 +84,28 @@ def test_hit_takes_the_cached_blocks_and_counts_as_vllm() -> None:
     assert (8, ([1, 2],)) == (hit, blocks.get_block_ids())
     stats = m.make_prefix_cache_stats()
     assert (1, 10, 8) == (stats.requests, stats.queries, stats.hits)
+
+
+def test_a_block_owed_to_the_cache_is_a_hit_for_the_next_lookup() -> None:
+    """Without KV events a decode call that only fills a block is owed, not a transition;
+    the next lookup that could hit it pays what is owed first and hits it, as vLLM's does,
+    while a lookup of other digests leaves it owed; the state read has it cached."""
+    m = manager(events=False)
+    a = make_request("a", list(range(14)), block_size=BLOCK, max_tokens=16)
+    assert m.allocate_slots(a, 14) is not None
+    a.num_computed_tokens = 14
+    a.append_output_token_ids(14)
+    a.append_output_token_ids(15)  # block 3 (tokens 12..15) is full once these are written
+    value = m._value
+    assert m.allocate_slots(a, 2).get_block_ids() == ([],)  # no block taken
+    assert m._value is value and "a" in m._owed  # owed: no transition yet
+    other = make_request("c", [7] * 9, block_size=BLOCK)
+    assert m.get_computed_blocks(other)[1] == 0 and "a" in m._owed  # other digests: still owed
+    b = make_request("b", list(range(16)) + [99], block_size=BLOCK)
+    blocks, hit, _ = m.get_computed_blocks(b)
+    assert (hit, blocks.get_block_ids()) == (16, ([1, 2, 3, 4],)) and not m._owed
+    assert m.state.group(m.state.manager_keys[0]).row("a").stored == 4
+    kf.check_invariants(m.state)
 
 
 def test_refusal_leaves_the_state_but_frees_what_slid_out() -> None:

@@ -82,25 +82,30 @@ def test_scheduler_steps_are_vllms(windows: tuple[int | None, ...], caching: boo
 def test_idle_decode_steps_skip_the_transition_and_change_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The manager answers a decode step with nothing to do before it fetches hashes or
-    opens a transition (``idle``); with that check made to say no, every step goes through
-    the transition, and the scheduler's steps are the same."""
+    opens a transition, and owes one whose only work is caching a block that filled
+    (``idle``); with that check made to say "busy", every step goes through its own
+    transition, and the scheduler's steps, and the state, are the same."""
+    import kvfunc.core._fold as fold
     import kvfunc.vllm._allocate as allocate
 
-    real, taken = allocate.idle, [0]
+    real, seen = allocate.idle, {fold.NOTHING: 0, fold.CACHING: 0}
 
-    def counted(*args: Any) -> bool:
+    def counted(*args: Any) -> int:
         answer = real(*args)
-        taken[0] += answer
+        if answer in seen:
+            seen[answer] += 1
         return answer
 
     for windows in ((None,), (None, 32)):
         monkeypatch.setattr(allocate, "idle", counted)
         fast, s = drive("kvfunc", windows, True, False, 5)
-        monkeypatch.setattr(allocate, "idle", lambda *args: False)
-        slow, _ = drive("kvfunc", windows, True, False, 5)
+        monkeypatch.setattr(allocate, "idle", lambda *args: fold.BUSY)
+        slow, t = drive("kvfunc", windows, True, False, 5)
         assert fast == slow
-        kf.check_invariants(s.kv_cache_manager.state)
-    assert taken[0] > 100
+        state = s.kv_cache_manager.state
+        assert state == t.kv_cache_manager.state
+        kf.check_invariants(state)
+    assert seen[fold.NOTHING] > 100 and seen[fold.CACHING] > 10, seen
 
 
 def test_shadowed_scheduler_finds_nothing() -> None:
