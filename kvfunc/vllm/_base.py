@@ -142,14 +142,17 @@ class ManagerBase:
     def _owe(self, request: Any, computed: int, new: int, lookahead: int) -> None:
         """Owe a call whose only work is caching the blocks it fills (see :meth:`_pay_owed`)."""
         hashes = self._hashes.of(request)
-        rid, state = request.request_id, self._value
-        first = min(max(g.rows[rid][2], g.rows[rid][1]) for g in state.groups)
-        keys = request.block_hashes[first:hashes.num_blocks]  # what it may cache (and no more:
-        # a later transition of the request caches past them only with digests after them)
+        rid, n = request.request_id, hashes.num_blocks
+        first = n
+        for g in self._value.groups:  # the first block a group has not cached (or nulled)
+            row = g.rows[rid]
+            first = min(first, row[2] if row[2] > row[1] else row[1])
+        keys = request.block_hashes[first:n]  # what it may cache (and no more: a later
+        # transition of the request caches past them only with digests after them)
         if not self._owed_keys.isdisjoint(keys):  # an owed call caches one of them too
             self._pay_owed()
-        self._owed[rid] = (request, kf.SlotRequest(rid, computed, new, lookahead, 0, None,
-                                                   hashes), keys, hashes.num_blocks)
+        self._owed[rid] = (request, _new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None,
+                                                         hashes, None)), keys, n)
         self._owed_keys.update(keys)
 
     def _forgive(self, rid: Any) -> None:
@@ -251,6 +254,9 @@ class ManagerBase:
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> Any:
         """``KVCacheBlocks`` of these per-group blocks (the shared empty one when none)."""
         return self._blocks_type(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+
+_new = tuple.__new__
 
 
 def _caching_start(old: kf.KVState, new: kf.KVState, request: Any) -> Callable[[str, int], int]:
