@@ -331,12 +331,14 @@ def test_decode_steps_that_only_grow_take_the_lean_steps_growth_and_equal_the_st
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("layout", ["per-type", "shared"])
-def test_idle_tells_a_step_with_nothing_to_do_or_only_caching(seed: int, layout: str) -> None:
-    """``idle`` (the vLLM manager's check before it fetches a request's hashes): whenever it
-    says a decode step of one token (and a lookahead) has nothing to do, the transition with
-    the request's hashes, or without any, returns the state it was given and an empty delta;
-    when it says only caching, the transition with hashes only caches (T rows) and the one
-    without any changes nothing; without the caching bit nothing is cached."""
+def test_work_of_tells_a_step_with_nothing_to_do_or_only_caching(seed: int,
+                                                                  layout: str) -> None:
+    """``work_of`` (the vLLM manager's check before it fetches a request's hashes): whenever
+    it says a step of one token or a few (and a lookahead) has nothing to do, the transition
+    with the request's hashes, or without any, returns the state it was given and an empty
+    delta; when it says only caching, the transition with hashes only caches (T rows) and the
+    one without any changes nothing; without the caching bit nothing is cached, and without
+    the sliding bit nothing is let go (N rows)."""
     rng = random.Random(seed)
     groups: dict[str, Any] = {"full": kf.FullAttention(num_blocks=40, block_size=4)}
     if seed % 2:
@@ -362,13 +364,14 @@ def test_idle_tells_a_step_with_nothing_to_do_or_only_caching(seed: int, layout:
             state = kf.free_request(state, victim, block_hashes=kf.BlockHashes.of(t, 4))[0]
             del toks[victim]
             continue
-        t.append(rng.randrange(9))
-        computed, lookahead = len(t) - 1, rng.choice([0, 0, 1, 5])
-        work = fold_module.idle(state.groups, state.max_model_len, victim, computed,
-                                computed + 1, computed + 1 + lookahead)
+        new = rng.choice([1, 1, 1, 2, 5])
+        t.extend(rng.randrange(9) for _ in range(new))
+        computed, lookahead = len(t) - new, rng.choice([0, 0, 1, 5])
+        work = fold_module.work_of(state.groups, state.max_model_len, victim, computed,
+                                   computed + new, computed + new + lookahead)
         h = kf.BlockHashes.of(t, 4)
-        r = kf.allocate_slots(state, victim, computed, 1, lookahead, block_hashes=h)
-        bare = kf.allocate_slots(state, victim, computed, 1, lookahead)
+        r = kf.allocate_slots(state, victim, computed, new, lookahead, block_hashes=h)
+        bare = kf.allocate_slots(state, victim, computed, new, lookahead)
         if work == fold_module.NOTHING:
             assert r.ok and r.state is state and r.delta.is_empty
         if work in (fold_module.NOTHING, fold_module.CACHING):
@@ -376,12 +379,14 @@ def test_idle_tells_a_step_with_nothing_to_do_or_only_caching(seed: int, layout:
             assert set(r.delta.order) <= {"T"}
         if not work & fold_module.CACHING:
             assert not r.delta.stored_keys
+        if not work & fold_module.SLIDES:
+            assert not r.delta.nulled_positions
         seen[work & fold_module.BUSY or work] += 1
         if r.ok:
             state = r.state
         else:
-            t.pop()
+            del t[-new:]
     assert min(seen.values()) > 2, seen
-    with lane(False):  # with the lane off every answer is busy (and may cache)
-        assert {fold_module.idle(state.groups, state.max_model_len, rid, len(t) - 1, len(t),
-                                 len(t)) for rid, t in toks.items()} <= {3}
+    with lane(False):  # with the lane off every answer has every bit
+        assert {fold_module.work_of(state.groups, state.max_model_len, rid, len(t) - 1, len(t),
+                                    len(t)) for rid, t in toks.items()} <= {7}

@@ -40,8 +40,8 @@ from kvfunc.core._prefix import PrefixHit
 from kvfunc.core._step import lean_step, step
 from kvfunc.core._transient import Transient
 
-__all__ = ["BUSY", "CACHING", "LANE", "NOTHING", "SlotRequest", "check_entry", "check_lookahead",
-           "fold", "idle", "quiet", "slot_entry"]
+__all__ = ["BUSY", "CACHING", "LANE", "NOTHING", "SLIDES", "SlotRequest", "check_entry",
+           "check_lookahead", "fold", "quiet", "slot_entry", "work_of"]
 
 #: Whether the fold skips the step for entries that the rows' quiet limits call quiet
 #: (the lane).  Tests turn it off to compare the lane with the step on random programs.
@@ -279,35 +279,41 @@ def quiet(views: Sequence[Any], limit: int, checked: Collection[int], rid: Any, 
     return True
 
 
-#: :func:`idle`'s answer, bits: a block completes (caching), anything else to do (busy).
-NOTHING, CACHING, BUSY = 0, 1, 2
+#: :func:`work_of`'s answer, bits: a block may complete (caching), a block leaves a window
+#: (slides), anything else to do (busy; sliding is busy too).
+NOTHING, CACHING, BUSY, SLIDES = 0, 1, 2, 4
 
 
-def idle(views: Sequence[Any], limit: int, rid: Any, computed: int, written: int,
-         total: int) -> int:
+def work_of(views: Sequence[Any], limit: int, rid: Any, computed: int, written: int,
+            total: int) -> int:
     """What ``(computed, written, total)`` tokens of ``rid`` leave to do, whatever hashes
-    came with them: :data:`NOTHING`, or the bits :data:`CACHING` and :data:`BUSY`.
+    came with them: :data:`NOTHING`, or the bits :data:`CACHING`, :data:`BUSY` and
+    :data:`SLIDES`.
 
     :func:`quiet`'s question for a caller that has not fetched the request's
     hashes yet, read from the rows' quiet limits.  CACHING: ``written``
-    reaches some row's ``fill``, so a block completes that hashes could
-    cache; without it no transition on these counts caches anything.  BUSY:
-    some row's other limits do not hold (a block to take or to let go, a
-    write to copy), or the request has no row.  NOTHING: a transition on
-    these counts returns its state unchanged; CACHING alone: it has nothing
-    to do but cache.  The counts are the caller's own ints (a running
-    request's), not checked here; without the lane every answer is both bits.
+    reaches some row's ``fill``, or a block past its room (one the step
+    takes) fills, so a block completes that hashes could cache; without it
+    no transition on these counts caches anything.  BUSY: some row's other
+    limits do not hold (a block to take or to let go, a write to copy), or
+    the request has no row; SLIDES (with BUSY): a window lets a block go.
+    NOTHING: a transition on these counts returns its state unchanged;
+    CACHING alone: it has nothing to do but cache.  The counts are the
+    caller's own ints (a running request's), not checked here; without the
+    lane every answer has every bit.
     """
     if not (LANE and total <= limit and written <= limit):
-        return BUSY | CACHING
+        return BUSY | CACHING | SLIDES
     answer = NOTHING
     for view in views:
         row = view.rows.get(rid)
         if row is None:
-            return BUSY | CACHING
-        if not row[8] <= computed < row[6] or total > row[5]:
+            return BUSY | CACHING | SLIDES
+        if computed >= row[6]:
+            answer |= BUSY | SLIDES
+        elif not row[8] <= computed or total > row[5]:
             answer |= BUSY
-        if written >= row[7]:
+        if written >= row[7] or written >= row[5] + view.traits[0]:
             answer |= CACHING
     return answer
 

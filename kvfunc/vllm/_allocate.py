@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvfunc as kf
-from kvfunc.core._fold import CACHING, NOTHING, idle
+from kvfunc.core._fold import CACHING, NOTHING, SLIDES, work_of
 from kvfunc.core._rows import row_tail
 from kvfunc.vllm import _accounting, _inflight
 from kvfunc.vllm._base import ManagerBase
@@ -118,7 +118,7 @@ class Allocation(ManagerBase):
         The scheduler's usual call -- a running request's next tokens, no
         prefix hit, no connector, no gate, nothing in flight under a window,
         no watermark -- is one ``kf.allocate_slots`` from the computed count.
-        Before it, the rows say (``idle``) whether the call has nothing to
+        Before it, the rows say (``work_of``) whether the call has nothing to
         do (a decode step that fills no block: it returns at once) or only a
         block to cache (it is owed: see ``_pay_owed``).  Every other call is
         :meth:`_allocate`.
@@ -138,8 +138,8 @@ class Allocation(ManagerBase):
         if computed > self.max_model_len:
             computed = self.max_model_len
         written = computed + num_new_tokens
-        work = idle(state.groups, state.max_model_len, rid, computed, written,
-                    written + num_lookahead_tokens)
+        work = work_of(state.groups, state.max_model_len, rid, computed, written,
+                       written + num_lookahead_tokens)
         if work == NOTHING:
             return self.empty_kv_cache_blocks  # the common decode step: nothing to do
         owed = self._owed
@@ -150,8 +150,10 @@ class Allocation(ManagerBase):
         merged = False
         if owed:
             mine = owed.get(rid)
-            if mine is not None and self._owed_keys.isdisjoint(request.block_hashes[mine[3]:]):
-                # what it owes is cached by this transition (no digest since is owed elsewhere)
+            if (mine is not None and not work & SLIDES
+                    and self._owed_keys.isdisjoint(request.block_hashes[mine[2]:])):
+                # what it owes is cached by this transition (nothing it owes slides out first,
+                # no digest since is owed by another call)
                 merged = True
                 if hashes is None:
                     hashes = self._hashes.of(request)

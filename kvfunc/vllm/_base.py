@@ -89,9 +89,9 @@ class ManagerBase:
         self._group_index = {key: i for i, key in enumerate(layout.keys)}
         self._windowed = any(w is not None for w in layout.windows)
         self._value = layout.initial_state()
-        #: request id -> (request, its entry, the digests it may cache, the digests it had):
+        #: request id -> (its entry, the digests it may cache, how many digests it had):
         #: decode calls whose only work, caching the blocks that filled, is owed (_pay_owed)
-        self._owed: dict[Any, tuple[Any, kf.SlotRequest, list[bytes], int]] = {}
+        self._owed: dict[Any, tuple[kf.SlotRequest, list[bytes], int]] = {}
         self._owed_keys: set[bytes] = set()  # every owed call's digests (disjoint sets)
         self._defers = enable_caching and not enable_kv_cache_events
         self._handles = Handles(layout.num_blocks, KVCacheBlock)
@@ -122,22 +122,24 @@ class ManagerBase:
         A decode call whose only work is caching the blocks its tokens fill
         (vLLM caches each block as it fills) is not a transition of its own:
         it is owed (:meth:`_owe`, with the hashes it came with), and done by
-        the request's next transition, or here, before anything could tell:
-        a read of the state, a lookup or caching whose digests meet an owed
-        one, a call on an owing request, an eviction or a reset.  Caching a
-        block its request holds changes no free count, no table and no block
-        another call can take, and the digests owed by different calls are
-        disjoint, so every other call gives what it would have given after
-        the owed ones.  With KV events on nothing is owed (their order is
-        vLLM's).
+        the request's next transition (unless it lets an owed block slide out
+        or could cache a digest owed by another call), or here, before
+        anything could tell: a read of the state, a lookup, an admission or a
+        step that could cache a digest owed, a call on an owing request, an
+        eviction or a reset.  Caching a block its request holds changes no
+        free count, no table and no block another call can take, and the
+        digests owed by different calls are disjoint, so every other call
+        gives what it would have given after the owed ones
+        (``docs/how-to/vllm.md``, "Calls owed to the cache").  With KV events
+        on nothing is owed (their order is vLLM's).
         """
         owed = self._owed
-        result = kf.allocate_batch(self._value, [entry for _, entry, _, _ in owed.values()])
+        result = kf.allocate_batch(self._value, [entry for entry, _, _ in owed.values()])
         if result.refused:  # caching takes no block: never refused
             raise kf.KVFuncError(f"caching owed by {list(result.refused)} was refused")
         self._owed, self._owed_keys = {}, set()
         self._commit(result.state, result.delta, "cache_blocks", None,
-                     tuple(e[:4] for _, e, _, _ in owed.values()))
+                     tuple(e[:4] for e, _, _ in owed.values()))
 
     def _owe(self, request: Any, computed: int, new: int, lookahead: int) -> None:
         """Owe a call whose only work is caching the blocks it fills (see :meth:`_pay_owed`)."""
@@ -151,13 +153,13 @@ class ManagerBase:
         # transition of the request caches past them only with digests after them)
         if not self._owed_keys.isdisjoint(keys):  # an owed call caches one of them too
             self._pay_owed()
-        self._owed[rid] = (request, _new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None,
-                                                         hashes, None)), keys, n)
+        self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None, hashes,
+                                                 None)), keys, n)
         self._owed_keys.update(keys)
 
     def _forgive(self, rid: Any) -> None:
         """``rid``'s owed call is done (its own transition cached what it owed)."""
-        keys = self._owed.pop(rid)[2]
+        keys = self._owed.pop(rid)[1]
         self._owed_keys.difference_update(keys)
 
     def _state_for(self, request: Any, reads_digests: bool = True) -> kf.KVState:

@@ -87,7 +87,9 @@ class Release(ManagerBase):
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         """Free the blocks that slid out of the request's windows."""
-        state = self._state
+        state = self._value
+        if request_id in self._owed:  # what it owes is cached first (before its window moves)
+            state = self._state
         if state.group(self._layout.keys[0]).row(request_id) is None:
             return
         computed = max(0, processed_computed_tokens)
@@ -105,11 +107,11 @@ class Release(ManagerBase):
         """
         if not self.enable_caching:
             return
-        rid = request.request_id
-        if self._state.group(self._layout.keys[0]).row(rid) is None:
+        rid, state = request.request_id, self._state_for(request)
+        if state.group(self._layout.keys[0]).row(rid) is None:
             return
         n = min(max(0, num_computed_tokens), self.max_model_len)
-        result = kf.allocate_slots(self._state, rid, 0, n, -n,
+        result = kf.allocate_slots(state, rid, 0, n, -n,
                                    block_hashes=self._hashes.of(request))
         if result.ok:
             self._commit(result.state, result.delta, "cache_blocks", request, (n,))

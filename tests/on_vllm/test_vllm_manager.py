@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -84,6 +85,127 @@ def test_hit_takes_the_cached_blocks_and_counts_as_vllm() -> None:
     assert (8, ([1, 2],)) == (hit, blocks.get_block_ids())
     stats = m.make_prefix_cache_stats()
     assert (1, 10, 8) == (stats.requests, stats.queries, stats.hits)
+
+
+class _Recording:
+    """A manager whose every call's answer, and the free count after it, is logged (read
+    without paying anything owed: a shadow would read the state, and pay, after each call)."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager, self.log = manager, []
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.manager, name)
+        if not callable(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = value(*args, **kwargs)
+            self.log.append((name, _plain(out), self.manager.block_pool.get_num_free_blocks()))
+            return out
+        return call
+
+
+def _plain(value: Any) -> Any:
+    """An answer as plain values: block handles as ids, ``KVCacheBlocks`` as their ids."""
+    if hasattr(value, "get_block_ids"):
+        return value.get_block_ids()
+    if hasattr(value, "block_id"):
+        return value.block_id
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("windows", [(None,), (None, 8), (6, None), (None, 6)])
+@given(program=programs)
+def test_owing_calls_to_the_cache_changes_no_answer(windows: tuple[int | None, ...],
+                                                    program: list[tuple]) -> None:
+    """The same random program on a manager that owes calls which only cache a block, on one
+    that makes each its own transition and on vLLM's own: every call's answer and the free
+    count after each call are the same, and so are the two kvfunc states at the end, with
+    owed calls kept across calls (nothing reads the state between them)."""
+    logs, states = [], []
+    for owing in (True, False):
+        m = manager(windows, events=False)
+        m._defers = owing
+        player = Player(_Recording(m), windows)
+        player.run(program)
+        logs.append(player.manager.log)
+        states.append(m.state)
+        kf.check_invariants(m.state)
+    theirs = Player(_Recording(manager(windows, events=False, cls=VllmManager)), windows)
+    theirs.run(program)
+    assert logs[0] == logs[1] == theirs.manager.log
+    assert states[0] == states[1]
+
+
+def _both_ways(windows: tuple[int | None, ...], scenario: Any) -> list[Any]:
+    """``scenario(manager)`` on a manager that owes, on one that does not and on vLLM's own:
+    the log of answers (the same, or the test fails; the two kvfunc states too)."""
+    runs = []
+    for owing in (True, False):
+        m = manager(windows, events=False)
+        m._defers = owing
+        rec = _Recording(m)
+        scenario(rec)
+        runs.append((rec.log, m.state))
+    theirs = _Recording(manager(windows, events=False, cls=VllmManager))
+    scenario(theirs)
+    assert runs[0][0] == runs[1][0] == theirs.log
+    assert runs[0][1] == runs[1][1]
+    return runs[0][0]
+
+
+def _running(rid: str, prompt: list[int], computed: int) -> Any:
+    req = make_request(rid, prompt, block_size=BLOCK, max_tokens=16)
+    req.status, req.num_computed_tokens = RequestStatus.RUNNING, computed
+    return req
+
+
+def test_a_step_that_takes_and_fills_blocks_pays_a_digest_owed_by_another_first() -> None:
+    """A owes the caching of a block whose digest C's next chunk also fills: C's step (it
+    takes blocks, every block it held cached already) pays A's first, so A's copy is the one
+    cached first and the next lookup hits it, as vLLM's does."""
+    shared = list(range(3 * BLOCK))
+
+    def scenario(m: Any) -> None:
+        a = _running("a", shared, 0)
+        assert m.allocate_slots(a, BLOCK + 1) is not None
+        c = make_request("c", [*shared, 50, 51, 52, 53, 54], block_size=BLOCK)
+        blocks, hit, _ = m.get_computed_blocks(c)
+        assert hit == BLOCK and m.allocate_slots(c, BLOCK, hit, blocks) is not None
+        c.status, c.num_computed_tokens = RequestStatus.RUNNING, 2 * BLOCK
+        a.num_computed_tokens = BLOCK + 1
+        assert m.allocate_slots(a, BLOCK + 1) is not None  # takes a block
+        a.num_computed_tokens = 2 * BLOCK + 2
+        assert m.allocate_slots(a, BLOCK - 2) is not None  # fills it: owed
+        assert m.allocate_slots(c, 2 * BLOCK) is not None  # fills a copy of it
+        c.num_computed_tokens = 4 * BLOCK
+        a.num_computed_tokens = 3 * BLOCK
+        a.append_output_token_ids(7)
+        assert m.allocate_slots(a, 1) is not None
+        m.get_computed_blocks(make_request("e", [*shared, 9], block_size=BLOCK))
+
+    log = _both_ways((None,), scenario)
+    assert log[-1][1][1] == 3 * BLOCK  # the last lookup hit every shared block
+
+
+def test_a_step_whose_window_lets_an_owed_block_go_caches_it_first() -> None:
+    """A owes the caching of two blocks; its next step slides both out of its window: they
+    are cached first and let go cached (vLLM cached them when they filled)."""
+    def scenario(m: Any) -> None:
+        a = _running("a", list(range(4 * BLOCK)), 0)
+        assert m.allocate_slots(a, 5, num_lookahead_tokens=11) is not None
+        a.num_computed_tokens = 5
+        assert m.allocate_slots(a, 9) is not None  # fills blocks 1 and 2: owed
+        a.num_computed_tokens = 14
+        assert m.allocate_slots(a, 1) is not None  # the window lets blocks 0 and 1 go
+        m.get_computed_blocks(make_request("e", list(range(4 * BLOCK)) + [9],
+                                           block_size=BLOCK))
+
+    for windows in ((None, 6), (6, None)):
+        _both_ways(windows, scenario)
 
 
 def test_a_block_owed_to_the_cache_is_a_hit_for_the_next_lookup() -> None:

@@ -79,16 +79,16 @@ def test_scheduler_steps_are_vllms(windows: tuple[int | None, ...], caching: boo
     assert preempted  # the pool was tight enough to preempt
 
 
-def test_idle_decode_steps_skip_the_transition_and_change_nothing(
+def test_quiet_decode_steps_skip_the_transition_and_change_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The manager answers a decode step with nothing to do before it fetches hashes or
     opens a transition, and owes one whose only work is caching a block that filled
-    (``idle``); with that check made to say "busy", every step goes through its own
+    (``work_of``); with that check made to say "busy", every step goes through its own
     transition, and the scheduler's steps, and the state, are the same."""
     import kvfunc.core._fold as fold
     import kvfunc.vllm._allocate as allocate
 
-    real, seen = allocate.idle, {fold.NOTHING: 0, fold.CACHING: 0}
+    real, seen = allocate.work_of, {fold.NOTHING: 0, fold.CACHING: 0}
 
     def counted(*args: Any) -> int:
         answer = real(*args)
@@ -97,9 +97,9 @@ def test_idle_decode_steps_skip_the_transition_and_change_nothing(
         return answer
 
     for windows in ((None,), (None, 32)):
-        monkeypatch.setattr(allocate, "idle", counted)
+        monkeypatch.setattr(allocate, "work_of", counted)
         fast, s = drive("kvfunc", windows, True, False, 5)
-        monkeypatch.setattr(allocate, "idle", lambda *args: fold.BUSY)
+        monkeypatch.setattr(allocate, "work_of", lambda *args: fold.BUSY | fold.CACHING)
         slow, t = drive("kvfunc", windows, True, False, 5)
         assert fast == slow
         state = s.kv_cache_manager.state
