@@ -126,6 +126,33 @@ def _token_list(token_ids: object) -> Sequence[int]:
     return token_ids
 
 
+def token_slice(token_ids: object, start: int, count: int) -> list[int]:
+    """``token_ids[start:start + count]`` as a new list, read as the slice says (not past it).
+
+    Anything not sliceable, text, or a slice of another length is a typed
+    error (the ints themselves are the caller's to check).
+
+    >>> token_slice((1, 2, 3, 4), 1, 2)
+    [2, 3]
+    >>> token_slice([1, 2], 0, 4)
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidArgumentError: 4 tokens from 0 needed, got 2
+    """
+    try:
+        fresh = token_ids[start:start + count]  # type: ignore[index]
+    except (TypeError, KeyError, IndexError, ValueError):  # no slices: not a sequence
+        _token_list(token_ids)
+        raise InvalidTypeError(f"token_ids must be a sequence of ints, got "
+                               f"{excerpt(token_ids)}") from None
+    if type(fresh) is not list:  # a tuple's slice, or another sequence's
+        _token_list(token_ids)  # text is a typed error
+        _token_list(fresh)
+    if len(fresh) != count:
+        raise InvalidArgumentError(f"{count} tokens from {start} needed, got {len(fresh)}")
+    return fresh if type(fresh) is list else [fresh[i] for i in range(count)]  # no more reads
+
+
 _PACKERS: dict[int, Callable[..., bytes]] = {}
 
 

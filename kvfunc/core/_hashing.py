@@ -66,6 +66,7 @@ from kvfunc.core._digests import (
     _token_list,
     hash_function,
     only_ints,
+    token_slice,
 )
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 
@@ -324,21 +325,7 @@ class BlockHashes:
             _token_list(token_ids)
             return self
         bs, n = self.block_size, self.num_blocks
-        try:
-            fresh = token_ids[n * bs:(n + k) * bs]
-        except (TypeError, KeyError, IndexError, ValueError):  # no slices: not a sequence
-            _token_list(token_ids)
-            raise InvalidTypeError(f"token_ids must be a sequence of ints, got "
-                                   f"{excerpt(token_ids)}") from None
-        if type(fresh) is not list:  # a tuple's slice, or another sequence's
-            _token_list(token_ids)  # text is a typed error
-            _token_list(fresh)
-        if len(fresh) != k * bs:
-            msg = (f"{k} more digests need {excerpt((n + k) * bs)} tokens, got "
-                   f"{n * bs + len(fresh)}")
-            raise InvalidArgumentError(msg)
-        if type(fresh) is not list:
-            fresh = [fresh[i] for i in range(k * bs)]  # as many reads as it claims, no more
+        fresh = token_slice(token_ids, n * bs, k * bs)
         _pack(fresh)  # ints in the int64 range, no bools
         digests_, tokens = self._digests, self._tokens
         with _APPEND:
