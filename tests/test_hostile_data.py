@@ -211,6 +211,22 @@ def test_a_value_rebuilt_from_its_fields_is_checked_and_equal() -> None:
     assert pickle.loads(pickle.dumps(external)) == external
 
 
+@pytest.mark.parametrize("block_size", [0, -4, True, 2.0, "2", None])
+def test_hashes_computed_elsewhere_refuse_a_bad_block_size(block_size: Any) -> None:
+    """``of_digests`` checks the block size as the constructor does, with or without digests."""
+    for digests, tokens in (([], []), ([b"d0"], [1, 2])):
+        raises_typed(lambda d=digests, t=tokens: kf.BlockHashes.of_digests(d, t, block_size))
+
+
+def test_hashes_computed_elsewhere_equal_the_constructors_value() -> None:
+    """``of_digests`` makes, without the constructor, the value the constructor makes."""
+    tokens = list(range(9))
+    made = kf.BlockHashes.of_digests([b"d0", b"d1"], tokens, 4)
+    built = kf.BlockHashes(4, "external", b"", [b"d0", b"d1"], [tokens[:4], tokens[4:8]])
+    assert made == built and made.blocks == built.blocks and made.num_tokens == 8
+    assert kf.BlockHashes.of_digests([], [], 4) == kf.BlockHashes(4, "external", b"")
+
+
 # -- prefix hits -------------------------------------------------------------------------------
 
 @given(field=st.sampled_from(["num_tokens", "block_ids", "query_tokens"]), value=junk())

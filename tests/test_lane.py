@@ -231,8 +231,9 @@ def test_decode_steps_that_complete_blocks_take_the_lean_step_and_equal_the_step
     """Decode steps of a full + window model and of a full one, prefix caching on, hashing
     the token each step writes or only those before it: a step that completes a block (alone,
     with a new block, with the window sliding) is served by the lane's lean step, one that
-    only caches with no room check or recycling pass, and every state, delta and refusal
-    equals the general step's."""
+    only caches with no room check or recycling pass, one group that takes a block (and may
+    cache) with no plan or recycling pass, and every state, delta and refusal equals the
+    general step's."""
     groups: dict[str, Any] = {"full": kf.FullAttention(num_blocks=8, block_size=4)}
     if layout != "full only":
         groups["swa"] = kf.SlidingWindow(num_blocks=8, block_size=4, sliding_window=8)
@@ -248,7 +249,7 @@ def test_decode_steps_that_complete_blocks_take_the_lean_step_and_equal_the_step
     monkeypatch.setattr(fold_module, "step", lambda *a: stepped.append(a[1]) or real(*a))
     monkeypatch.setattr(step_module, "recycle_first",
                         lambda *a: recycled.append(1) or real_first(*a))
-    runs, alone = [], 0
+    runs, alone, grown = [], 0, 0
     for on in (True, False):
         state, out = start.state, []
         with lane(on):
@@ -261,6 +262,9 @@ def test_decode_steps_that_complete_blocks_take_the_lean_step_and_equal_the_step
                                                        or r.delta.nulled_positions):
                     assert not recycled  # caching alone: no plan of room or recycling
                     alone += 1
+                if on and layout == "full only" and r.delta.appended_block_ids:
+                    assert not recycled  # one group grows (and caches): no plan, no pass
+                    grown += r.delta.stored_keys != ()
                 out.append((r.ok, r.state, r.delta))
                 state = r.state
                 if not r.ok:
@@ -275,8 +279,9 @@ def test_decode_steps_that_complete_blocks_take_the_lean_step_and_equal_the_step
     stored = [d for d in deltas if d.stored_keys]
     assert any(not d.appended_block_ids for d in stored)  # a block completes alone
     assert any(d.appended_block_ids for d in stored)  # and with a new block
-    if layout == "full only":  # a block completes with nothing else to do
+    if layout == "full only":  # a block completes with nothing else to do, or with a new one
         assert alone, "no step cached a block alone"
+        assert grown, "no step took a block and cached one"
     else:
         assert any(d.nulled_positions for d in stored)  # and with the window sliding
 

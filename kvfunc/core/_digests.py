@@ -190,10 +190,15 @@ def _is_int64(value: object) -> bool:
 
 def _checked(block_size: int, hash_fn: str) -> Callable[[bytes], bytes]:
     """The hash function of a valid block size and name; a typed error otherwise."""
+    _positive_size(block_size)
+    return hash_function(hash_fn)  # a known name, or a typed error
+
+
+def _positive_size(block_size: object) -> None:
+    """A typed error unless ``block_size`` is a positive int (not a bool)."""
     if type(block_size) is not int or block_size <= 0:
         msg = f"block_size must be a positive int, got {excerpt(block_size)}"
         raise InvalidArgumentError(msg)
-    return hash_function(hash_fn)  # a known name, or a typed error
 
 
 

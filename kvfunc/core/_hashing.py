@@ -63,6 +63,7 @@ from kvfunc.core._digests import (
     _index,
     _pack,
     _packer,
+    _positive_size,
     _token_list,
     hash_function,
     only_ints,
@@ -123,9 +124,8 @@ class BlockHashes:
                  blocks: Sequence[Sequence[int]] = ()) -> None:
         if hash_fn != EXTERNAL:
             _checked(block_size, hash_fn)
-        elif type(block_size) is not int or block_size <= 0:
-            raise InvalidArgumentError(f"block_size must be a positive int, got "
-                                       f"{excerpt(block_size)}")
+        else:
+            _positive_size(block_size)
         if type(root) is not bytes:
             raise InvalidTypeError(f"root must be bytes, got {excerpt(root)}")
         digests = _digest_list(hashes)
@@ -303,7 +303,9 @@ class BlockHashes:
         >>> h.num_tokens, h.hash_fn, h.blocks[1]
         (8, 'external', (4, 5, 6, 7))
         """
-        empty = cls(block_size, EXTERNAL, b"")
+        _positive_size(block_size)
+        empty = _new_hashes(BlockHashes)  # what ``cls(block_size, "external", b"")`` makes
+        empty._fill(block_size, EXTERNAL, b"", [], [], 0)
         return empty.extended(digests, token_ids)
 
     def extended(self, digests: Sequence[BlockHash], token_ids: Sequence[int]) -> BlockHashes:

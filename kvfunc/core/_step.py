@@ -282,9 +282,10 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
     the caching (:func:`cache_step`); only registering, sharing and copying,
     which it never needs, are left out.  An entry that only grows takes its
     blocks at once, as :func:`step`'s own decode case does: one group after
-    :func:`fits`, several after one :func:`has_room`, with no recycling pass;
-    one that only caches what completes (nothing taken, nothing slid out)
-    goes straight to :func:`bind_rows`.
+    :func:`fits` (then caches what completes, if anything, as
+    :func:`bind_rows` would), several after one :func:`has_room`, with no
+    recycling pass; one that only caches what completes (nothing taken,
+    nothing slid out) goes straight to :func:`bind_rows`.
     False (``tr`` untouched) when a pool lacks the blocks.
     """
     views, plans, grows, still = tr.views, [], True, True
@@ -297,13 +298,10 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
         store = hashes is not None and completes(
             view.traits, row[9] + need, row[2] if row[2] > row[1] else row[1], computed,
             written, hashes)
+        if len(work) == 1 and need and upto <= row[1]:  # one group grows, may cache: no plan
+            return _grow_one(tr, i, request_id, row, need, store, computed, written, hashes)
         grows = grows and need > 0 and not store and upto <= row[1]
         still = still and not need and upto <= row[1]
-        if grows and len(work) == 1:  # one group only grows: no plan to build
-            if not fits(tr, i, need):
-                return False
-            tr.copy(i).extend(request_id, row, need)
-            return True
         plans.append(_new(Plan, (i, row, None, 0, upto, 0, need, (), 0, store)))
     if still:  # every group only caches what completes: nothing to take, nothing recycled
         bind_rows(tr, request_id, [(p, p[1]) for p in plans], computed, written, hashes)
@@ -326,6 +324,21 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
             g.put(request_id, row)
     if caching:
         bind_rows(tr, request_id, caching, computed, written, hashes)
+    return True
+
+
+def _grow_one(tr: Transient, i: int, request_id: Any, row: Row, need: int, store: bool,
+              computed: int, written: int, hashes: Any) -> bool:
+    """:func:`lean_step` of one group that takes ``need`` blocks, sliding nothing out, then
+    caches what completes (``store``) as :func:`bind_rows` does; False when they do not fit."""
+    if not fits(tr, i, need):
+        return False
+    g = tr.copy(i)
+    if store:
+        g.put(request_id, cache_step(g, request_id, g.grow(request_id, row, need), computed,
+                                     written, hashes))
+    else:
+        g.extend(request_id, row, need)
     return True
 
 

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from kvfunc.core._prefix import PrefixHit
 
 __all__ = [
-    "AllocationResult", "BatchResult", "allocate_batch", "allocate_slots", "format_usage",
-    "free_into", "free_request", "get_block_ids", "num_free_blocks", "recycle_into",
-    "recycle_skipped_blocks",
+    "AllocationResult", "BatchResult", "allocate_batch", "allocate_slots", "busy_slots",
+    "format_usage", "free_into", "free_request", "get_block_ids", "num_free_blocks",
+    "recycle_into", "recycle_skipped_blocks",
 ]
 
 
@@ -93,16 +93,37 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
         if same is None or same[1] is not state:
             same = _QUIET[0] = _new(AllocationResult, (True, state, EMPTY_DELTA))
         return same
+    if (lookahead_tokens.__class__ is int and reserved_tokens.__class__ is int
+            and not reserved_tokens and manager_keys is None and prefix_hit is None):
+        return _settled(state, ((request_id, computed_tokens, num_new_tokens),),
+                        lookahead_tokens, block_hashes)
+    return _settled(state, ((request_id, computed_tokens, num_new_tokens, lookahead_tokens,
+                             reserved_tokens, manager_keys, block_hashes, prefix_hit),))
+
+
+def busy_slots(state: KVState, request_id: RequestId, computed_tokens: int, num_new_tokens: int,
+               lookahead_tokens: int, block_hashes: BlockHashes | None) -> AllocationResult:
+    """:func:`allocate_slots` of a plain call (no reservation, keys or hit) without its quiet
+    check, for a caller whose rows already said the call has work (``_fold.work_of``).
+
+    ``state`` must be a :class:`KVState`; the entry is checked as the fold checks any.
+
+    >>> from kvfunc.core import FullAttention, KVState
+    >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
+    >>> busy_slots(s, "a", 0, 20, 0, None) == allocate_slots(s, "a", 0, 20)
+    True
+    """
+    return _settled(state, ((request_id, computed_tokens, num_new_tokens),), lookahead_tokens,
+                    block_hashes)
+
+
+def _settled(state: KVState, entries: tuple[Any, ...], lookahead: int = 0,
+             own: BlockHashes | None = None) -> AllocationResult:
+    """The fold of one request's ``entries`` on a working copy of ``state``, settled."""
     sink = DeltaBuilder()
     tr = Transient.open(state, sink)
     try:
-        if (lookahead_tokens.__class__ is int and reserved_tokens.__class__ is int
-                and not reserved_tokens and manager_keys is None and prefix_hit is None):
-            refused = fold(tr, ((request_id, computed_tokens, num_new_tokens),), None,
-                           lookahead_tokens, block_hashes)
-        else:
-            refused = fold(tr, ((request_id, computed_tokens, num_new_tokens, lookahead_tokens,
-                                 reserved_tokens, manager_keys, block_hashes, prefix_hit),))
+        refused = fold(tr, entries, None, lookahead, own)
     except BaseException:
         tr.abort()
         raise

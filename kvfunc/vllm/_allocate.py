@@ -31,6 +31,7 @@ from typing import Any
 import kvfunc as kf
 from kvfunc.core._fold import CACHING, NOTHING, SLIDES, work_of
 from kvfunc.core._rows import row_tail
+from kvfunc.core._transitions import busy_slots
 from kvfunc.vllm import _accounting, _inflight
 from kvfunc.vllm._base import ManagerBase
 from kvfunc.vllm._events import cached_block_events
@@ -161,8 +162,7 @@ class Allocation(ManagerBase):
                     request.block_hashes)):
                 self._pay_owed()  # a digest it may cache is owed by another call: that first
                 state = self._value
-        result = kf.allocate_slots(state, rid, computed, num_new_tokens, num_lookahead_tokens,
-                                   block_hashes=hashes)
+        result = busy_slots(state, rid, computed, num_new_tokens, num_lookahead_tokens, hashes)
         if merged and result.ok:
             self._forgive(rid)
         new_state = result.state
