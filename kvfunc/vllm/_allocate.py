@@ -159,7 +159,7 @@ class Allocation(ManagerBase):
                 if hashes is None:
                     hashes = self._hashes.of(request)
             elif mine is not None or (work & CACHING and not self._owed_keys.isdisjoint(
-                    request.block_hashes)):
+                    request.block_hashes[self._first_uncached(rid, len(request.block_hashes)):])):
                 self._pay_owed()  # a digest it may cache is owed by another call: that first
                 state = self._value
         result = busy_slots(state, rid, computed, num_new_tokens, num_lookahead_tokens, hashes)

@@ -145,17 +145,24 @@ class ManagerBase:
         """Owe a call whose only work is caching the blocks it fills (see :meth:`_pay_owed`)."""
         hashes = self._hashes.of(request)
         rid, n = request.request_id, hashes.num_blocks
-        first = n
-        for g in self._value.groups:  # the first block a group has not cached (or nulled)
-            row = g.rows[rid]
-            first = min(first, row[2] if row[2] > row[1] else row[1])
-        keys = request.block_hashes[first:n]  # what it may cache (and no more: a later
-        # transition of the request caches past them only with digests after them)
+        keys = request.block_hashes[self._first_uncached(rid, n):n]  # what it may cache (and
+        # no more: a later transition of the request caches past them only with digests after)
         if not self._owed_keys.isdisjoint(keys):  # an owed call caches one of them too
             self._pay_owed()
         self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None, hashes,
                                                  None)), keys, n)
         self._owed_keys.update(keys)
+
+    def _first_uncached(self, rid: Any, limit: int) -> int:
+        """The first position, at most ``limit``, that some group of ``rid`` has not cached
+        (or nulled): a transition of ``rid`` caches no digest before it (0 without rows)."""
+        first = limit
+        for g in self._value.groups:
+            row = g.rows.get(rid)
+            if row is None:
+                return 0
+            first = min(first, row[2] if row[2] > row[1] else row[1])
+        return first
 
     def _forgive(self, rid: Any) -> None:
         """``rid``'s owed call is done (its own transition cached what it owed)."""
