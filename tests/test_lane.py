@@ -245,10 +245,11 @@ def test_decode_steps_that_complete_blocks_take_the_lean_step_and_equal_the_step
 
     stepped: list[Any] = []
     recycled: list[int] = []
-    real, real_first = fold_module.step, step_module.recycle_first
+    real, real_first, real_room = fold_module.step, step_module.recycle_first, step_module.has_room
     monkeypatch.setattr(fold_module, "step", lambda *a: stepped.append(a[1]) or real(*a))
     monkeypatch.setattr(step_module, "recycle_first",
                         lambda *a: recycled.append(1) or real_first(*a))
+    monkeypatch.setattr(step_module, "has_room", lambda *a: recycled.append(2) or real_room(*a))
     runs, alone, grown = [], 0, 0
     for on in (True, False):
         state, out = start.state, []
@@ -263,7 +264,8 @@ def test_decode_steps_that_complete_blocks_take_the_lean_step_and_equal_the_step
                     assert not recycled  # caching alone: no plan of room or recycling
                     alone += 1
                 if on and layout == "full only" and r.delta.appended_block_ids:
-                    assert not recycled  # one group grows (and caches): no plan, no pass
+                    assert not recycled  # one group grows (and caches): no plan's room
+                    # check, no recycling pass
                     grown += r.delta.stored_keys != ()
                 out.append((r.ok, r.state, r.delta))
                 state = r.state
@@ -395,3 +397,35 @@ def test_work_of_tells_a_step_with_nothing_to_do_or_only_caching(seed: int,
     with lane(False):  # with the lane off every answer has every bit
         assert {fold_module.work_of(state.groups, state.max_model_len, rid, len(t) - 1, len(t),
                                     len(t)) for rid, t in toks.items()} <= {7}
+
+
+@pytest.mark.parametrize("layout", ["per-type", "shared"])
+def test_busy_slots_equals_allocate_slots_and_checks_the_lookahead(layout: str) -> None:
+    """The vLLM manager's transition for a call its rows call busy (no quiet check first)
+    gives what ``allocate_slots`` gives, on random decode and prefill calls of a full +
+    window model with caching on; a lookahead that is not an int is the same typed error."""
+    from kvfunc.core._transitions import busy_slots
+
+    groups = {"full": kf.FullAttention(num_blocks=24, block_size=4),
+              "swa": kf.SlidingWindow(num_blocks=24, block_size=4, sliding_window=8)}
+    state = kf.KVState.create(groups, 128, enable_prefix_caching=True, layout=layout)
+    rng, done = random.Random(7), {"a": 0, "b": 0, "c": 0}
+    tokens = [rng.randrange(50) for _ in range(64)]
+    refused = 0
+    for _ in range(120):
+        rid = rng.choice(sorted(done))
+        new, la = rng.choice([1, 1, 1, 3, 9]), rng.choice([0, 0, 2])
+        h = kf.BlockHashes.of(tokens[:done[rid] + new], 4)
+        want = kf.allocate_slots(state, rid, done[rid], new, la, block_hashes=h)
+        got = busy_slots(state, rid, done[rid], new, la, h)
+        assert got.ok == want.ok and got.delta == want.delta
+        assert state_snapshot(got.state) == state_snapshot(want.state)
+        if want.ok:
+            state, done[rid] = want.state, min(done[rid] + new, 60)
+            if done[rid] == 60:
+                state, done[rid] = kf.free_request(state, rid)[0], 0
+        refused += not want.ok
+    assert refused, "no call was refused: the refusal path is not covered"
+    for la in (True, 2.0, None):
+        with pytest.raises(kf.InvalidTypeError):
+            busy_slots(state, "a", done["a"], 1, la, None)  # type: ignore[arg-type]

@@ -629,3 +629,28 @@ def test_one_digest_twice_in_a_run_caches_both_blocks_under_it() -> None:
     r = kf.allocate_slots(s, "a", 0, 8, block_hashes=h)
     assert r.ok and r.state.pools[0].by_key == {digest: (1, 2)}
     kf.check_invariants(r.state)
+
+
+def test_a_step_caches_no_block_before_its_first_uncached_one_or_its_computed_ones() -> None:
+    """What vLLM's manager relies on to test only some of a step's digests against the owed
+    ones: a step caches no position below both the first one its row has not cached (or
+    nulled) and its computed tokens' blocks.  A write below the row's cached blocks onto a
+    block another request holds copies it, and the copy is cached again: below the first
+    uncached position, so only the two bounds together hold."""
+    base = kf.KVState.create({"full": kf.FullAttention(num_blocks=16, block_size=4)}, 64,
+                             enable_prefix_caching=True)
+    h = kf.BlockHashes.of(range(16), 4)
+    s = kf.allocate_slots(base, "a", 0, 9, block_hashes=h).state
+    hit = kf.lookup_prefix(s, h, max_tokens=8)
+    assert hit.num_tokens == 8
+    s = kf.allocate_slots(s, "b", 8, 1, block_hashes=h, prefix_hit=hit).state
+    below = 0
+    for computed in range(0, 12):
+        for new in range(1, 16 - computed):
+            row = s.groups[0].rows["b"]
+            first = row.stored if row.stored > row.nulls else row.nulls
+            r = kf.allocate_slots(s, "b", computed, new, block_hashes=h)
+            stored = r.delta.stored_positions
+            assert all(p >= min(first, computed // 4) for p in stored), (computed, new, stored)
+            below += any(p < first for p in stored)
+    assert below, "no step cached below its first uncached block: the case is not covered"

@@ -106,13 +106,17 @@ def busy_slots(state: KVState, request_id: RequestId, computed_tokens: int, num_
     """:func:`allocate_slots` of a plain call (no reservation, keys or hit) without its quiet
     check, for a caller whose rows already said the call has work (``_fold.work_of``).
 
-    ``state`` must be a :class:`KVState`; the entry is checked as the fold checks any.
+    ``state`` must be a :class:`KVState`; the entry is checked as the fold checks any, and a
+    lookahead that is not an int takes :func:`allocate_slots`' checked path.
 
     >>> from kvfunc.core import FullAttention, KVState
     >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
     >>> busy_slots(s, "a", 0, 20, 0, None) == allocate_slots(s, "a", 0, 20)
     True
     """
+    if lookahead_tokens.__class__ is not int:
+        return allocate_slots(state, request_id, computed_tokens, num_new_tokens,
+                              lookahead_tokens, block_hashes=block_hashes)
     return _settled(state, ((request_id, computed_tokens, num_new_tokens),), lookahead_tokens,
                     block_hashes)
 

@@ -150,7 +150,7 @@ class Allocation(ManagerBase):
         hashes = self._hashes.for_step(request, written) if self.enable_caching else None
         merged = False
         if owed:
-            mine = owed.get(rid)
+            mine, bs = owed.get(rid), self._layout.block_size
             if (mine is not None and not work & SLIDES
                     and self._owed_keys.isdisjoint(request.block_hashes[mine[2]:])):
                 # what it owes is cached by this transition (nothing it owes slides out first,
@@ -159,7 +159,7 @@ class Allocation(ManagerBase):
                 if hashes is None:
                     hashes = self._hashes.of(request)
             elif mine is not None or (work & CACHING and not self._owed_keys.isdisjoint(
-                    request.block_hashes[self._first_uncached(rid, len(request.block_hashes)):])):
+                    request.block_hashes[self._first_uncached(rid, computed // bs):])):
                 self._pay_owed()  # a digest it may cache is owed by another call: that first
                 state = self._value
         result = busy_slots(state, rid, computed, num_new_tokens, num_lookahead_tokens, hashes)

@@ -155,7 +155,9 @@ class ManagerBase:
 
     def _first_uncached(self, rid: Any, limit: int) -> int:
         """The first position, at most ``limit``, that some group of ``rid`` has not cached
-        (or nulled): a transition of ``rid`` caches no digest before it (0 without rows)."""
+        (or nulled), 0 without rows.  A transition of ``rid`` caches no digest before it, nor
+        before its own computed blocks when it copies a shared block on write (the copy is
+        cached again): callers that may copy pass ``computed // block_size`` as ``limit``."""
         first = limit
         for g in self._value.groups:
             row = g.rows.get(rid)
