@@ -151,10 +151,11 @@ class Allocation(ManagerBase):
         merged = False
         if owed:
             mine, bs = owed.get(rid), self._layout.block_size
-            if (mine is not None and not work & SLIDES
+            if (mine is not None and not work & SLIDES and computed // bs >= mine[2] - len(mine[1])
                     and self._owed_keys.isdisjoint(request.block_hashes[mine[2]:])):
                 # what it owes is cached by this transition (nothing it owes slides out first,
-                # no digest since is owed by another call)
+                # nothing before it is copied and cached again, no digest since is owed by
+                # another call)
                 merged = True
                 if hashes is None:
                     hashes = self._hashes.of(request)

@@ -155,9 +155,9 @@ class ManagerBase:
 
     def _first_uncached(self, rid: Any, limit: int) -> int:
         """The first position, at most ``limit``, that some group of ``rid`` has not cached
-        (or nulled), 0 without rows.  A transition of ``rid`` caches no digest before it, nor
-        before its own computed blocks when it copies a shared block on write (the copy is
-        cached again): callers that may copy pass ``computed // block_size`` as ``limit``."""
+        (or nulled); 0 without rows.  A transition of ``rid`` caches no digest before it,
+        except a block it copies on write, which it caches again: that is a block of tokens
+        it writes, so a caller whose step may copy passes ``computed // block_size``."""
         first = limit
         for g in self._value.groups:
             row = g.rows.get(rid)
