@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvfunc as kf
-from kvfunc.core._fold import CACHING, NOTHING, SLIDES, work_of
+from kvfunc.core._fold import CACHING, NOTHING, work_of
 from kvfunc.core._rows import row_tail
 from kvfunc.core._transitions import busy_slots
 from kvfunc.vllm import _accounting, _inflight
@@ -149,20 +149,11 @@ class Allocation(ManagerBase):
             return self.empty_kv_cache_blocks  # a block filled: cached later (``_pay_owed``)
         hashes = self._hashes.for_step(request, written) if self.enable_caching else None
         merged = False
-        if owed:
-            mine, bs = owed.get(rid), self._layout.block_size
-            if (mine is not None and not work & SLIDES and computed // bs >= mine[2] - len(mine[1])
-                    and self._owed_keys.isdisjoint(request.block_hashes[mine[2]:])):
-                # what it owes is cached by this transition (nothing it owes slides out first,
-                # nothing before it is copied and cached again, no digest since is owed by
-                # another call)
-                merged = True
-                if hashes is None:
-                    hashes = self._hashes.of(request)
-            elif mine is not None or (work & CACHING and not self._owed_keys.isdisjoint(
-                    request.block_hashes[self._first_uncached(rid, computed // bs):])):
-                self._pay_owed()  # a digest it may cache is owed by another call: that first
-                state = self._value
+        if owed:  # this transition caches what the request owes, or what is owed is paid
+            merged = self._settle_owed(request, work, computed)
+            state = self._value
+            if merged and hashes is None:
+                hashes = self._hashes.of(request)
         result = busy_slots(state, rid, computed, num_new_tokens, num_lookahead_tokens, hashes)
         if merged and result.ok:
             self._forgive(rid)

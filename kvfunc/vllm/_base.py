@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import kvfunc as kf
+from kvfunc.core._fold import CACHING, SLIDES
 from kvfunc.vllm._events import vllm_events
 from kvfunc.vllm._handles import Handles
 from kvfunc.vllm._hashes import RequestHashes
@@ -89,9 +90,10 @@ class ManagerBase:
         self._group_index = {key: i for i, key in enumerate(layout.keys)}
         self._windowed = any(w is not None for w in layout.windows)
         self._value = layout.initial_state()
-        #: request id -> (its entry, the digests it may cache, how many digests it had):
-        #: decode calls whose only work, caching the blocks that filled, is owed (_pay_owed)
-        self._owed: dict[Any, tuple[kf.SlotRequest, list[bytes], int]] = {}
+        #: request id -> (its entry, the digests it may cache, how many digests it had, the
+        #: position of the first of them): decode calls whose only work, caching the blocks
+        #: that filled, is owed (_pay_owed)
+        self._owed: dict[Any, tuple[kf.SlotRequest, list[bytes], int, int]] = {}
         self._owed_keys: set[bytes] = set()  # every owed call's digests (disjoint sets)
         self._defers = enable_caching and not enable_kv_cache_events
         self._handles = Handles(layout.num_blocks, KVCacheBlock)
@@ -122,35 +124,35 @@ class ManagerBase:
         A decode call whose only work is caching the blocks its tokens fill
         (vLLM caches each block as it fills) is not a transition of its own:
         it is owed (:meth:`_owe`, with the hashes it came with), and done by
-        the request's next transition (unless it lets an owed block slide out
-        or could cache a digest owed by another call), or here, before
-        anything could tell: a read of the state, a lookup, an admission or a
-        step that could cache a digest owed, a call on an owing request, an
-        eviction or a reset.  Caching a block its request holds changes no
-        free count, no table and no block another call can take, and the
-        digests owed by different calls are disjoint, so every other call
-        gives what it would have given after the owed ones
-        (``docs/how-to/vllm.md``, "Calls owed to the cache").  With KV events
-        on nothing is owed (their order is vLLM's).
+        the request's next transition when that can cache it first
+        (:meth:`_settle_owed`), or here, before anything could tell: a read of
+        the state, a lookup, an admission or a step that could cache a digest
+        owed, a call on an owing request, an eviction or a reset.  Caching a
+        block its request holds changes no free count, no table and no block
+        another call can take, and the digests owed by different calls are
+        disjoint, so every other call gives what it would have given after the
+        owed ones (``docs/how-to/vllm.md``, "Calls owed to the cache").  With
+        KV events on nothing is owed (their order is vLLM's).
         """
         owed = self._owed
-        result = kf.allocate_batch(self._value, [entry for entry, _, _ in owed.values()])
+        result = kf.allocate_batch(self._value, [e[0] for e in owed.values()])
         if result.refused:  # caching takes no block: never refused
             raise kf.KVFuncError(f"caching owed by {list(result.refused)} was refused")
         self._owed, self._owed_keys = {}, set()
         self._commit(result.state, result.delta, "cache_blocks", None,
-                     tuple(e[:4] for e, _, _ in owed.values()))
+                     tuple(e[0][:4] for e in owed.values()))
 
     def _owe(self, request: Any, computed: int, new: int, lookahead: int) -> None:
         """Owe a call whose only work is caching the blocks it fills (see :meth:`_pay_owed`)."""
         hashes = self._hashes.of(request)
         rid, n = request.request_id, hashes.num_blocks
-        keys = request.block_hashes[self._first_uncached(rid, n):n]  # what it may cache (and
-        # no more: a later transition of the request caches past them only with digests after)
+        first = self._first_uncached(rid, n)
+        keys = request.block_hashes[first:n]  # what it may cache (and no more: a later
+        # transition of the request caches past them only with digests after them)
         if not self._owed_keys.isdisjoint(keys):  # an owed call caches one of them too
             self._pay_owed()
         self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None, hashes,
-                                                 None)), keys, n)
+                                                 None)), keys, n, first)
         self._owed_keys.update(keys)
 
     def _first_uncached(self, rid: Any, limit: int) -> int:
@@ -165,6 +167,26 @@ class ManagerBase:
                 return 0
             first = min(first, row[2] if row[2] > row[1] else row[1])
         return first
+
+    def _settle_owed(self, request: Any, work: int, computed: int) -> bool:
+        """Before a step of ``request`` from ``computed`` tokens (``work``: what its rows
+        say is left to do), with something owed: True when the step caches what the request
+        owes itself (call :meth:`_forgive` once it is accepted); else every owed call is
+        paid first if the request owes one or the step could cache a digest owed.
+
+        A step merges unless a window lets a block go (it could be an owed one), it writes
+        below the owed blocks (a block copied on write is cached again), or a digest after
+        the owed ones is owed by another call.
+        """
+        rid, bs = request.request_id, self._layout.block_size
+        mine = self._owed.get(rid)
+        if (mine is not None and not work & SLIDES and computed // bs >= mine[3]
+                and self._owed_keys.isdisjoint(request.block_hashes[mine[2]:])):
+            return True
+        if mine is not None or (work & CACHING and not self._owed_keys.isdisjoint(
+                request.block_hashes[self._first_uncached(rid, computed // bs):])):
+            self._pay_owed()
+        return False
 
     def _forgive(self, rid: Any) -> None:
         """``rid``'s owed call is done (its own transition cached what it owed)."""

@@ -326,3 +326,33 @@ def test_restore_takes_only_a_snapshot_of_the_same_layout() -> None:
     with pytest.raises(kf.InvalidTypeError):
         m.restore("state")  # type: ignore[arg-type]
     assert m.state is state
+
+
+def test_the_owing_requests_next_step_caches_what_it_owes_without_paying_the_rest() -> None:
+    """A decode call that fills a block is owed; the request's next call, which takes a
+    block, caches it in its own transition (no payment of everything owed), and the answers
+    are those of a manager that does not owe and of vLLM's."""
+    paid: list[int] = []
+
+    def scenario(m: Any) -> None:
+        inner = m.manager
+        owing = getattr(inner, "_defers", False)  # vLLM's own manager owes nothing
+        if owing:
+            real = inner._pay_owed
+            inner._pay_owed = lambda: paid.append(1) or real()
+        a = make_request("a", list(range(14)), block_size=BLOCK, max_tokens=16)
+        assert m.allocate_slots(a, 14) is not None
+        a.num_computed_tokens = 14
+        a.append_output_token_ids(14)
+        a.append_output_token_ids(15)
+        m.allocate_slots(a, 2)  # fills block 3: owed when owing
+        if owing:
+            assert "a" in inner._owed
+        a.status, a.num_computed_tokens = RequestStatus.RUNNING, 16
+        a.append_output_token_ids(16)
+        assert m.allocate_slots(a, 1).get_block_ids() == ([5],)  # takes a block
+        if owing:
+            assert not inner._owed and not paid  # merged: cached by that step itself
+            assert inner._value.group(inner._value.manager_keys[0]).row("a").stored == 4
+
+    _both_ways((None,), scenario)
