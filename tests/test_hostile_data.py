@@ -95,8 +95,16 @@ def test_junk_in_any_argument_of_the_constructor_is_a_typed_error(field: str, va
     lambda: kf.BlockHashes.of_digests([5], [1, 2], 2),
     lambda: kf.BlockHashes.of_digests([None], [1, 2], 2),
     lambda: kf.BlockHashes.of_digests([b"d"], [], 2),
-    lambda: kf.BlockHashes.of_digests([b"d"], None, 2),
+    lambda: kf.BlockHashes.of_digests([b"d"], "ab", 2),
     lambda: kf.BlockHashes.of_digests([b"d0"], [1, 2], 2).extended([b"d1"], [1, 2]),
+    lambda: kf.BlockHashes.of_digests([b"d0"], [1, 2], 2).extended([b"d1"], None),
+    lambda: kf.BlockHashes.of_digests([b"d0"], None, 2).extended([b"d1"], [1, 2, 3, 4]),
+    lambda: kf.BlockHashes.of_digests([b"d0"], None, 2).extended([], [1, 2]),
+    lambda: kf.BlockHashes.of_digests([b"d0"], None, 2).extended([5], None),
+    lambda: kf.BlockHashes.of_digests([b"d0"], None, 0),
+    lambda: kf.BlockHashes.of_digests([b"d0"], None, 2).blocks,
+    lambda: kf.BlockHashes.of_digests([b"d0"], None, 2).block_token_ids(0),
+    lambda: kf.BlockHashes.of_digests([b"d0"], None, 2).token_ids_by_block(0, 1, 2),
     lambda: kf.BlockHashes.of([1, 2], 2).update(None),
     lambda: kf.BlockHashes.of([1, 2], 2).update(5),
     lambda: kf.BlockHashes.of([1, 2], 2).update(iter([1, 2, 3, 4])),
@@ -107,7 +115,11 @@ def test_junk_in_any_argument_of_the_constructor_is_a_typed_error(field: str, va
     lambda: kf.BlockHashes.of([1, 2], 2).token_ids_by_block("a", 1, 2),
     lambda: kf.BlockHashes(2, "sha256", b"r", hashes=[b"forged"], blocks=[(1, 2)]),
 ], ids=["of None", "a bool token", "hashes=5", "a str root", "int digest", "None digest",
-        "digests without tokens", "tokens None", "extended without tokens", "update None",
+        "digests without tokens", "tokens as text", "extended without tokens",
+        "kept tokens extended with None", "no tokens extended with tokens",
+        "no tokens extended by nothing with tokens", "no tokens, an int digest",
+        "no tokens, block size 0", "no tokens: blocks", "no tokens: block_token_ids",
+        "no tokens: token_ids_by_block", "update None",
         "update int", "update iterator", "parent str", "parent past the end", "index bool",
         "index past the end", "first str", "forged digests"])
 def test_the_issues_block_hash_cases_are_typed_errors(call: Callable[[], Any]) -> None:
@@ -168,6 +180,37 @@ def test_extending_external_hashes_with_junk_tokens_is_a_typed_error(tokens: Any
     assert h.num_blocks == 2 and h.hashes == (b"d0", b"d1")
     good = h.extended([b"d2"], (1, 2, 3, 4, 5, 6))  # a tuple's slice is a tuple: accepted
     assert good.blocks[2] == (5, 6) and h.extended([b"d2"], _Lying(6, [5, 6])).blocks[2] == (5, 6)
+
+
+def test_hashes_that_keep_no_tokens_name_the_same_blocks_and_refuse_token_reads() -> None:
+    """``of_digests(..., None, ...)`` keeps no tokens: the value equals (and hashes, pickles,
+    looks up and caches as) the one made with tokens, extends with ``None``, and refuses
+    every token read with a typed error that leaves it as it was."""
+    with_tokens = kf.BlockHashes.of_digests([b"d0", b"d1"], [1, 2, 3, 4, 5], 2)
+    bare = kf.BlockHashes.of_digests([b"d0", b"d1"], None, 2)
+    assert bare == with_tokens and hash(bare) == hash(with_tokens)
+    assert (bare.num_blocks, bare.num_tokens, bare.hashes) == (2, 4, (b"d0", b"d1"))
+    assert pickle.loads(pickle.dumps(bare)) == bare
+    assert isinstance(raises_typed(lambda: pickle.loads(pickle.dumps(bare)).blocks),
+                      kf.NotSupportedError)
+    longer = bare.extended([b"d2"], None)
+    assert longer.hashes == (b"d0", b"d1", b"d2") and bare.num_blocks == 2
+    assert bare.extended([b"x"], None).hashes == (b"d0", b"d1", b"x")  # copies: d2 is taken
+    assert longer == with_tokens.extended([b"d2"], [1, 2, 3, 4, 5, 6])
+    s = kf.KVState.create({"full": kf.FullAttention(num_blocks=8, block_size=2)}, 64,
+                          enable_prefix_caching=True)
+    states, tokens = [], []
+    for h in (bare, with_tokens):
+        r = kf.allocate_slots(s, "a", 0, 5, block_hashes=h)
+        assert r.ok and r.state.pools[0].by_key == {b"d0": 1, b"d1": 2}
+        assert kf.lookup_prefix(r.state, h, max_tokens=4).num_tokens == 4
+        assert kf.replay(s, [r.delta]) == r.state  # the delta's rows replay, tokens or not
+        (event,) = events_from_delta(r.delta, r.state)
+        states.append(r.state)
+        tokens.append((r.delta.stored_token_ids, event.token_ids, event.block_hashes))
+    assert states[0] == states[1]
+    assert tokens == [((None, None), (), (b"d0", b"d1")),
+                      (((1, 2), (3, 4)), (1, 2, 3, 4), (b"d0", b"d1"))]
 
 
 class _PosesAsInt(type):

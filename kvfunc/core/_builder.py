@@ -60,10 +60,10 @@ def _repeated(head: tuple[Any, ...], lasts: Sequence[Any]) -> Iterable[tuple[Any
 def stored_row(key: str, request_id: Any, position: int, block: int, digest: bytes,
                hashes: Any, m: int) -> tuple[Any, ...]:
     """The T row of caching ``block`` at ``position`` (one block of :func:`record_stored`)."""
-    bs = m * hashes.block_size
+    bs, tokens = m * hashes.block_size, hashes._tokens
     return (key, request_id, position, block, digest,
             hashes._digests[position * m - 1] if position else None,
-            tuple(hashes._tokens[position * bs:(position + 1) * bs]))
+            None if tokens is None else tuple(tokens[position * bs:(position + 1) * bs]))
 
 
 def record_stored(sink: DeltaBuilder, key: str, request_id: Any, positions: Sequence[int],
@@ -72,8 +72,9 @@ def record_stored(sink: DeltaBuilder, key: str, request_id: Any, positions: Sequ
     blocks each), in order.
 
     A row carries the parent digest (None at position 0) and the block's
-    tokens.  A contiguous run (the common case) keeps slices of them, and its
-    rows are built only if the delta is read.
+    tokens (None where ``hashes`` keep none).  A contiguous run (the common
+    case) keeps slices of them, and its rows are built only if the delta is
+    read.
     """
     first, n = positions[0], len(run)
     if positions[-1] - first + 1 != n:
@@ -81,17 +82,18 @@ def record_stored(sink: DeltaBuilder, key: str, request_id: Any, positions: Sequ
                           for q, b, h in zip(positions, run, digests, strict=True)])
         sink.codes.append("T" * n)
         return
-    every, bs = hashes._digests, m * hashes.block_size
+    every, bs, tokens = hashes._digests, m * hashes.block_size, hashes._tokens
     parents = (every[first * m - 1:(first + n) * m - 1:m] if first
                else [None, *every[m - 1:(n - 1) * m:m]])
     sink.spell("T", n, _stored_rows, key, request_id, positions, run, digests, parents,
-               hashes._tokens[first * bs:(first + n) * bs], bs)
+               None if tokens is None else tokens[first * bs:(first + n) * bs], bs)
 
 
 def _stored_rows(key: str, request_id: Any, positions: Sequence[int], run: Sequence[int],
-                 digests: Sequence[bytes], parents: Sequence[bytes | None], tokens: list[int],
-                 bs: int) -> Iterable[tuple[Any, ...]]:
-    """The T rows of a contiguous run, ``tokens`` in blocks of ``bs`` (:func:`record_stored`)."""
-    toks = iter(tokens)
+                 digests: Sequence[bytes], parents: Sequence[bytes | None],
+                 tokens: list[int] | None, bs: int) -> Iterable[tuple[Any, ...]]:
+    """The T rows of a contiguous run, ``tokens`` in blocks of ``bs`` (:func:`record_stored`;
+    None rows where the hashes keep no tokens)."""
+    toks = iter(tokens or ())
     return zip(repeat(key), repeat(request_id), positions, run, digests, parents,
-               zip(*[toks] * bs, strict=True), strict=False)
+               repeat(None) if tokens is None else zip(*[toks] * bs, strict=True), strict=False)

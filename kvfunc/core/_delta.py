@@ -344,8 +344,9 @@ def family_rows(d: BlocksChanged) -> dict[str, list[tuple[Any, ...]]]:
     return rows
 
 
-_INT, _STR, _BYTES, _TOKENS = (frozenset({t}) for t in (int, str, bytes, tuple))
+_INT, _STR, _BYTES = (frozenset({t}) for t in (int, str, bytes))
 _NONE_TYPE = type(None)
+_TOKENS: frozenset[type] = frozenset({tuple, _NONE_TYPE})  # None: hashes kept no tokens
 
 
 def _cell_kind(name: str) -> tuple[frozenset[type], str]:
@@ -359,7 +360,7 @@ def _cell_kind(name: str) -> tuple[frozenset[type], str]:
     if name.endswith("_hashes"):
         return _BYTES, "a block hash (non-empty bytes)"
     if name == "stored_token_ids":
-        return _TOKENS, "a block's token ids (a tuple of ints)"
+        return _TOKENS, "a block's token ids (a tuple of ints, or None)"
     return _INT, "an int"
 
 
@@ -371,7 +372,7 @@ def _check_cells(name: str, col: tuple[Any, ...]) -> None:
     allowed, what = _CELLS[name]
     if set(map(type, col)) <= allowed:  # one pass in C for the common, well-formed column
         if allowed is _TOKENS:
-            ok = set(map(type, chain.from_iterable(col))) <= _INT
+            ok = set(map(type, chain.from_iterable(filter(None, col)))) <= _INT
         else:  # a digest is never empty
             ok = bytes not in allowed or all(h is None or h for h in col)
         if ok:
@@ -384,7 +385,7 @@ def _cell_ok(allowed: frozenset[type], value: Any) -> bool:
     if type(value) not in allowed:
         return False
     if allowed is _TOKENS:
-        return all(type(t) is int for t in value)
+        return value is None or all(type(t) is int for t in value)
     return value is None or type(value) is not bytes or bool(value)
 
 

@@ -224,3 +224,50 @@ def _digest_list(hashes: object) -> list[BlockHash]:
             raise InvalidTypeError(f"a block hash must be non-empty bytes, got {excerpt(h)}")
     return digests
 
+
+
+def checked_blocks(block_size: object, hash_fn: str, root: object, hashes: object,
+                   blocks: object) -> tuple[list[BlockHash], list[int]]:
+    """The digests and the tokens, block after block, that ``BlockHashes(...)`` is given,
+    checked: a typed error unless they are a valid value (a chain of ``hash_fn`` from ``root``,
+    unless the hashes were computed elsewhere)."""
+    if hash_fn != EXTERNAL:
+        _checked(block_size, hash_fn)  # type: ignore[arg-type]
+    else:
+        _positive_size(block_size)
+    if type(root) is not bytes:
+        raise InvalidTypeError(f"root must be bytes, got {excerpt(root)}")
+    digests = _digest_list(hashes)
+    if isinstance(blocks, str | bytes) or not isinstance(blocks, Sequence):
+        raise InvalidTypeError(f"blocks must be a sequence of token blocks, got "
+                               f"{excerpt(blocks)}")
+    if len(blocks) != len(digests):
+        msg = (f"{len(digests)} hashes need their {len(digests)} token blocks, got "
+               f"{len(blocks)}")
+        raise InvalidArgumentError(msg)
+    tokens: list[int] = []
+    for block in blocks:
+        if len(_token_list(block)) != block_size:
+            msg = f"a token block must hold {excerpt(block_size)} tokens, got {excerpt(block)}"
+            raise InvalidArgumentError(msg)
+        tokens.extend(block)
+    data = _pack(tokens)  # ints in range, no bools
+    if hash_fn != EXTERNAL and digests != _chain(hash_fn, _CONSTRUCTORS.get(hash_fn), root,
+                                                 data, 8 * block_size):  # type: ignore[operator]
+        msg = (f"the {len(digests)} hashes are not the {hash_fn} chain of their token "
+               "blocks from root")
+        raise InvalidArgumentError(msg)
+    return digests, tokens
+
+
+def no_tokens() -> NotSupportedError:
+    """The error of a token read from hashes that keep no tokens."""
+    return NotSupportedError("these hashes keep no tokens (made with token_ids=None)")
+
+
+def tokens_mismatch(kept: bool) -> InvalidArgumentError:
+    """The error of extending hashes with tokens where they keep none, or the reverse."""
+    if kept:
+        return InvalidArgumentError("these hashes keep their tokens: extend them with the "
+                                    "request's token ids, not None")
+    return InvalidArgumentError("these hashes keep no tokens: extend them with token_ids=None")

@@ -65,9 +65,12 @@ from kvfunc.core._digests import (
     _packer,
     _positive_size,
     _token_list,
+    checked_blocks,
     hash_function,
+    no_tokens,
     only_ints,
     token_slice,
+    tokens_mismatch,
 )
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 
@@ -116,42 +119,17 @@ class BlockHashes:
     num_blocks: int
     num_tokens: int  # a field, not a property: the fold's lane reads it on every decode
     _digests: list[BlockHash]
-    _tokens: list[int]
+    _tokens: list[int] | None  # None: hashes computed elsewhere, kept without tokens
     _end: int
 
     def __init__(self, block_size: int, hash_fn: str, root: bytes,
                  hashes: Sequence[BlockHash] = (),
                  blocks: Sequence[Sequence[int]] = ()) -> None:
-        if hash_fn != EXTERNAL:
-            _checked(block_size, hash_fn)
-        else:
-            _positive_size(block_size)
-        if type(root) is not bytes:
-            raise InvalidTypeError(f"root must be bytes, got {excerpt(root)}")
-        digests = _digest_list(hashes)
-        if isinstance(blocks, str | bytes) or not isinstance(blocks, Sequence):
-            raise InvalidTypeError(f"blocks must be a sequence of token blocks, got "
-                                   f"{excerpt(blocks)}")
-        if len(blocks) != len(digests):
-            msg = (f"{len(digests)} hashes need their {len(digests)} token blocks, got "
-                   f"{len(blocks)}")
-            raise InvalidArgumentError(msg)
-        tokens: list[int] = []
-        for block in blocks:
-            if len(_token_list(block)) != block_size:
-                msg = f"a token block must hold {excerpt(block_size)} tokens, got {excerpt(block)}"
-                raise InvalidArgumentError(msg)
-            tokens.extend(block)
-        data = _pack(tokens)  # ints in range, no bools
-        if hash_fn != EXTERNAL and digests != _chain(hash_fn, _CONSTRUCTORS.get(hash_fn), root,
-                                                     data, 8 * block_size):
-            msg = (f"the {len(digests)} hashes are not the {hash_fn} chain of their token "
-                   "blocks from root")
-            raise InvalidArgumentError(msg)
+        digests, tokens = checked_blocks(block_size, hash_fn, root, hashes, blocks)
         self._fill(block_size, hash_fn, root, digests, tokens, len(digests))
 
     def _fill(self, block_size: int, hash_fn: str, root: bytes, digests: list[BlockHash],
-              tokens: list[int], num_blocks: int) -> None:
+              tokens: list[int] | None, num_blocks: int) -> None:
         _set(self, "block_size", block_size)
         _set(self, "hash_fn", hash_fn)
         _set(self, "root", root)
@@ -191,6 +169,8 @@ class BlockHashes:
                 f"num_blocks={self.num_blocks})")
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self._tokens is None:
+            return (BlockHashes.of_digests, (self.hashes, None, self.block_size))
         return (BlockHashes, (self.block_size, self.hash_fn, self.root, self.hashes,
                               self.blocks))
 
@@ -276,67 +256,84 @@ class BlockHashes:
                 _pack(fresh)  # refuses the bool or int subclass
         else:
             out = _chain(hash_fn, ctor, parent, _pack(fresh), 8 * bs)
-        digests, tokens = self._digests, self._tokens
+        digests, tokens = self._digests, self._tokens  # hashed here: tokens are kept
         with _APPEND:
             if len(digests) == n:  # nothing appended after our entries: extend in place
                 digests.extend(out)
-                tokens.extend(fresh)
+                tokens.extend(fresh)  # type: ignore[union-attr]
                 out = None  # type: ignore[assignment]
         if out is not None:  # another value of the lineage went on: copy our entries
-            digests, tokens = digests[:n] + out, tokens[:n * bs]
+            digests, tokens = digests[:n] + out, tokens[:n * bs]  # type: ignore[index]
             tokens.extend(fresh)
         value = _new_hashes(BlockHashes)
         value._fill(bs, hash_fn, self.root, digests, tokens, full)
         return value
 
     @classmethod
-    def of_digests(cls, digests: Sequence[BlockHash], token_ids: Sequence[int],
+    def of_digests(cls, digests: Sequence[BlockHash], token_ids: Sequence[int] | None,
                    block_size: int) -> BlockHashes:
-        """Hashes computed elsewhere (an engine's own block hasher), with their tokens.
+        """Hashes computed elsewhere (an engine's own block hasher), with or without tokens.
 
         ``digests[i]`` names the prefix that ends with block ``i`` of
         ``token_ids``; every digest needs its full block of tokens.  The
         value's ``hash_fn`` is ``"external"``: :meth:`extended` adds later
         blocks' digests, :meth:`update` (which would hash) is refused.
 
+        With ``token_ids=None`` the value keeps no tokens (kvfunc never reads
+        them to look a block up or cache it; an engine that reports them in
+        its own KV events passes none, and nothing is checked or copied per
+        token); it refuses the token reads, and extends with ``None``.
+
         >>> h = BlockHashes.of_digests([b"d0", b"d1"], list(range(9)), 4)
         >>> h.num_tokens, h.hash_fn, h.blocks[1]
         (8, 'external', (4, 5, 6, 7))
+        >>> BlockHashes.of_digests([b"d0", b"d1"], None, 4) == h
+        True
         """
         _positive_size(block_size)
         empty = _new_hashes(BlockHashes)  # what ``cls(block_size, "external", b"")`` makes
-        empty._fill(block_size, EXTERNAL, b"", [], [], 0)
+        empty._fill(block_size, EXTERNAL, b"", [], None if token_ids is None else [], 0)
         return empty.extended(digests, token_ids)
 
-    def extended(self, digests: Sequence[BlockHash], token_ids: Sequence[int]) -> BlockHashes:
+    def extended(self, digests: Sequence[BlockHash],
+                 token_ids: Sequence[int] | None) -> BlockHashes:
         """These hashes with ``digests`` appended for the next full blocks of ``token_ids``.
 
         ``token_ids`` is the request's whole sequence; it must hold a full
-        block for each new digest.  Only values made by :meth:`of_digests`
-        are extended this way.
+        block for each new digest (``None`` for hashes that keep no tokens).
+        Only values made by :meth:`of_digests` are extended this way.
 
         >>> h = BlockHashes.of_digests([b"d0"], [1, 2, 3, 4], 4)
         >>> h.extended([b"d1"], [1, 2, 3, 4, 5, 6, 7, 8]).hashes
         (b'd0', b'd1')
+        >>> BlockHashes.of_digests([b"d0"], None, 4).extended([b"d1"], None).num_tokens
+        8
         """
         if self.hash_fn != EXTERNAL:
             raise NotSupportedError("only hashes computed elsewhere are extended; use update()")
         new = _digest_list(digests)
+        tokens = self._tokens
+        if (token_ids is None) is not (tokens is None):
+            raise tokens_mismatch(tokens is not None)
         k = len(new)
         if not k:
-            _token_list(token_ids)
+            if tokens is not None:
+                _token_list(token_ids)
             return self
         bs, n = self.block_size, self.num_blocks
-        fresh = token_slice(token_ids, n * bs, k * bs)
+        fresh = [] if tokens is None else token_slice(token_ids, n * bs, k * bs)
         _pack(fresh)  # ints in the int64 range, no bools
-        digests_, tokens = self._digests, self._tokens
+        digests_ = self._digests
         with _APPEND:
             if len(digests_) == n:
                 digests_.extend(new)
-                tokens.extend(fresh)
+                if tokens is not None:
+                    tokens.extend(fresh)
                 new = []
         if new:
-            digests_, tokens = digests_[:n] + new, tokens[:n * bs] + fresh
+            digests_ = digests_[:n] + new
+            if tokens is not None:
+                tokens = tokens[:n * bs] + fresh
         value = _new_hashes(BlockHashes)
         value._fill(bs, EXTERNAL, self.root, digests_, tokens, n + k)
         return value
@@ -364,6 +361,8 @@ class BlockHashes:
         >>> BlockHashes.of(range(12), 2).token_ids_by_block(1, 3, 4)
         [(4, 5, 6, 7), (8, 9, 10, 11)]
         """
+        if self._tokens is None:
+            raise no_tokens()
         if not (_index(first) >= 0 and _index(last) >= first and _index(size) > 0
                 and size % self.block_size == 0 and last * size <= self.num_tokens):
             msg = (f"blocks {excerpt(first)}..{excerpt(last)} of {excerpt(size)} tokens are not "
@@ -382,13 +381,14 @@ class BlockHashes:
         if type(index) is not int or type(count) is not int:
             _index(index)
             _index(count)
+        if self._tokens is None:
+            raise no_tokens()
         if 0 <= index and index + count <= self.num_blocks:
             bs = self.block_size
             return tuple(self._tokens[index * bs:(index + count) * bs])
         if count == 1:  # tuple indexing and slicing, as a tuple of blocks gives
             return self.blocks[_index(index, self.num_blocks - 1)]
         return tuple(t for block in self.blocks[index:index + count] for t in block)
-
 
 
 def check_block_hashes(value: Any) -> BlockHashes:

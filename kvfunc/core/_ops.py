@@ -80,7 +80,7 @@ class Stored(NamedTuple):
     block_id: int
     block_hash: bytes
     parent_hash: bytes | None
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...] | None  # None: the hashes that cached it keep no tokens
 
 
 class Evicted(NamedTuple):

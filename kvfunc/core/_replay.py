@@ -22,6 +22,7 @@ from typing import Any
 
 from kvfunc.core._checks import excerpt, is_priority, is_request_id
 from kvfunc.core._delta import COPY_INTO_NEW, COPY_SAVED, BlocksChanged
+from kvfunc.core._digests import only_ints
 from kvfunc.core._errors import InvalidTypeError, ReplayMismatchError, UnknownRequestError
 from kvfunc.core._group import GroupCopy
 from kvfunc.core._ops import (
@@ -342,18 +343,17 @@ def _stored(g: GroupCopy, op: Any, pending: list[int]) -> None:
 def _stored_tokens(g: GroupCopy, op: Any) -> None:
     """A table block's row carries its block of tokens and, past block 0, a parent hash.
 
-    A saved state (``COPY_SAVED``) holds no tokens.  Readers of the delta
-    (KV events) pass these on: a row without its tokens would describe a
-    block nobody could match.
+    A saved state (``COPY_SAVED``) holds none, nor do hashes kept without (None).
+    KV events pass them on: fewer tokens would describe a block nobody could match.
     """
     tokens, parent = op.token_ids, op.parent_hash
-    if type(tokens) is not tuple or any(type(t) is not int for t in tokens):
+    if tokens is not None and (type(tokens) is not tuple or not only_ints(tokens)):
         _fail(f"token ids {excerpt(tokens)} are not a tuple of ints")
     if op.position == COPY_SAVED:
         if tokens:
             _fail("a saved state holds no tokens")
         return
-    if len(tokens) != g.block_size:
+    if tokens is not None and len(tokens) != g.block_size:
         _fail(f"{len(tokens)} token ids for a block of {g.block_size} in {g.key!r}")
     if (parent is None) != (op.position == 0) or (parent is not None and (
             type(parent) is not bytes or not parent)):

@@ -129,7 +129,8 @@ class BlockStored:
         parent_block_hash: the hash the first block chains from (``None``
             for a prompt's first block).
         token_ids: the blocks' token ids, concatenated (``block_size`` per
-            block); empty for saved states (Mamba), which hold no tokens.
+            block); empty for saved states (Mamba), which hold no tokens, and
+            for blocks cached with hashes that keep no tokens.
         block_size: tokens per block of the group.
         lora_id: vLLM's LoRA id; kvfunc folds adapters into the hashes
             (``extra_keys``) and leaves it ``None``.
@@ -275,7 +276,7 @@ class _Runs:
             key = stored[0].key
             self.events.append(BlockStored(
                 tuple(r.block_hash for r in stored), stored[0].parent_hash,
-                tuple(t for r in stored for t in r.token_ids), _block_size(self.sizes, key),
+                tuple(t for r in stored for t in r.token_ids or ()), _block_size(self.sizes, key),
                 None, self.medium, key, tuple(r.block_id for r in stored)))
             self.stored = []
 

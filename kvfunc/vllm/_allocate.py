@@ -294,8 +294,7 @@ class Allocation(ManagerBase):
             return None
         hashes = self._hashes.of(request)
         n = hit.num_tokens // hashes.block_size
-        return kf.BlockHashes.of_digests(hashes.hashes[:n], request.all_token_ids,
-                                         hashes.block_size)
+        return kf.BlockHashes.of_digests(hashes.hashes[:n], None, hashes.block_size)
 
     def _new_blocks(self, before: kf.KVState, after: kf.KVState, rid: str,
                     hit: kf.PrefixHit | None, external_end: int,

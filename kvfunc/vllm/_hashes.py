@@ -4,6 +4,8 @@ vLLM hashes a request's full blocks itself (``request.block_hashes``, bytes
 digests of its request block hasher, extra keys included).  kvfunc uses them
 as they are (:meth:`~kvfunc.BlockHashes.of_digests`, no second hashing) and
 extends the value as the list grows, so a decode step costs one length check.
+The value keeps no tokens (``token_ids=None``): vLLM's KV events take a
+block's tokens from the request, so no prompt token is checked or copied.
 A list that was rebuilt (a resumed streaming request clears it) is noticed by
 its last digest and converted again.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfunc.core import BlockHashes
+from kvfunc.core import BlockHashes, InvalidArgumentError
 
 __all__ = ["RequestHashes"]
 
@@ -28,6 +30,10 @@ class RequestHashes:
     >>> r.block_hashes.append(b"h1"); r.all_token_ids.append(4)
     >>> cache.of(r).num_blocks, len(cache)
     (2, 1)
+    >>> r.block_hashes.append(b"h2"); cache.of(r)      # a digest of tokens the request lacks
+    Traceback (most recent call last):
+    ...
+    kvfunc.core._errors.InvalidArgumentError: 3 block hashes cover 6 tokens; request 'a' has 4
     """
 
     __slots__ = ("_block_size", "_by_request", "_seen")
@@ -45,6 +51,10 @@ class RequestHashes:
         """``request.block_hashes`` as a :class:`~kvfunc.BlockHashes` (cached per request)."""
         digests = request.block_hashes
         n = len(digests)
+        if n * self._block_size > len(request.all_token_ids):
+            msg = (f"{n} block hashes cover {n * self._block_size} tokens; request "
+                   f"{request.request_id!r} has {len(request.all_token_ids)}")
+            raise InvalidArgumentError(msg)
         got = self._by_request.get(request.request_id)
         if got is not None:
             m, value = got
@@ -52,10 +62,10 @@ class RequestHashes:
             if m == n and (not n or last == digests[n - 1]):
                 return value
             if m < n and (not m or last == digests[m - 1]):
-                value = value.extended(digests[m:], request.all_token_ids)
+                value = value.extended(digests[m:], None)
                 self._by_request[request.request_id] = (n, value)
                 return value
-        value = BlockHashes.of_digests(digests, request.all_token_ids, self._block_size)
+        value = BlockHashes.of_digests(digests, None, self._block_size)
         self._by_request[request.request_id] = (n, value)
         return value
 
