@@ -265,9 +265,12 @@ def no_tokens() -> NotSupportedError:
     return NotSupportedError("these hashes keep no tokens (made with token_ids=None)")
 
 
-def tokens_mismatch(kept: bool) -> InvalidArgumentError:
-    """The error of extending hashes with tokens where they keep none, or the reverse."""
-    if kept:
-        return InvalidArgumentError("these hashes keep their tokens: extend them with the "
-                                    "request's token ids, not None")
-    return InvalidArgumentError("these hashes keep no tokens: extend them with token_ids=None")
+def kept_tokens(tokens: list[int] | None, token_ids: object) -> list[int] | None:
+    """``tokens`` (what hashes keep) when ``token_ids`` extends them as they are kept (None
+    for hashes that keep none); a typed error otherwise."""
+    if (token_ids is None) is (tokens is None):
+        return tokens
+    if tokens is not None:
+        raise InvalidArgumentError("these hashes keep their tokens: extend them with the "
+                                   "request's token ids, not None")
+    raise InvalidArgumentError("these hashes keep no tokens: extend them with token_ids=None")

@@ -67,10 +67,10 @@ from kvfunc.core._digests import (
     _token_list,
     checked_blocks,
     hash_function,
+    kept_tokens,
     no_tokens,
     only_ints,
     token_slice,
-    tokens_mismatch,
 )
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 
@@ -312,17 +312,16 @@ class BlockHashes:
         if self.hash_fn != EXTERNAL:
             raise NotSupportedError("only hashes computed elsewhere are extended; use update()")
         new = _digest_list(digests)
-        tokens = self._tokens
-        if (token_ids is None) is not (tokens is None):
-            raise tokens_mismatch(tokens is not None)
+        tokens = kept_tokens(self._tokens, token_ids)
         k = len(new)
         if not k:
             if tokens is not None:
                 _token_list(token_ids)
             return self
         bs, n = self.block_size, self.num_blocks
-        fresh = [] if tokens is None else token_slice(token_ids, n * bs, k * bs)
-        _pack(fresh)  # ints in the int64 range, no bools
+        if tokens is not None:
+            fresh = token_slice(token_ids, n * bs, k * bs)
+            _pack(fresh)  # ints in the int64 range, no bools
         digests_ = self._digests
         with _APPEND:
             if len(digests_) == n:
