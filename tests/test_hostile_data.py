@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from junk import IntSubclass, junk, short
 
 import kvfunc as kf
+from kvfunc.cli._log import DeltaLogWriter, verify_log
 from kvfunc.core._delta import COLUMN_NAMES
 from kvfunc.events import CachedBlocksView, events_from_delta
 
@@ -211,6 +212,53 @@ def test_hashes_that_keep_no_tokens_name_the_same_blocks_and_refuse_token_reads(
     assert states[0] == states[1]
     assert tokens == [((None, None), (), (b"d0", b"d1")),
                       (((1, 2), (3, 4)), (1, 2, 3, 4), (b"d0", b"d1"))]
+
+
+def test_tokenless_stored_rows_round_trip_a_delta_log_and_junk_beside_them_is_refused(
+        tmp_path: Any) -> None:
+    """Stored rows without tokens (None) survive a delta log written and verified; a token
+    column that holds a tuple with a non-int, or a tuple of None, beside them is refused."""
+    s = kf.KVState.create({"full": kf.FullAttention(num_blocks=8, block_size=2)}, 64,
+                          enable_prefix_caching=True)
+    r = kf.allocate_slots(s, "a", 0, 5, block_hashes=kf.BlockHashes.of_digests(
+        [b"d0", b"d1"], None, 2))
+    path = tmp_path / "run.jsonl"
+    with path.open("w") as out:
+        log = DeltaLogWriter(out, s)
+        log.write(0, r.delta)
+        log.close(r.state)
+    assert verify_log(path) == (r.state, 1)
+    for bad in ((None, (1, True)), (None, (None,)), (None, ("3", 4))):
+        d = kf.BlocksChanged(order="TT", stored_keys=("full", "full"),
+                             stored_request_ids=("a", "a"), stored_positions=(0, 1),
+                             stored_block_ids=(1, 2), stored_hashes=(b"h0", b"h1"),
+                             stored_parent_hashes=(None, b"h0"), stored_token_ids=bad)
+        error = raises_typed(lambda d=d: events_from_delta(d, {"full": 2}))
+        assert "stored_token_ids holds" in str(error)
+    assert events_from_delta(r.delta, r.state)[0].token_ids == ()  # None rows: well formed
+
+
+def test_vllm_hashes_that_outrun_the_requests_tokens_are_refused_and_leave_nothing_seen(
+        ) -> None:
+    """vLLM's digests are kept without tokens, so the manager checks that the request's
+    tokens fill the blocks they name: a typed error otherwise, the step left unseen (a retry
+    refuses again instead of skipping its caching), and once the tokens are there the same
+    step converts."""
+    from types import SimpleNamespace
+
+    from kvfunc.vllm._hashes import RequestHashes
+    r = SimpleNamespace(request_id="a", block_hashes=[b"h0", b"h1"], all_token_ids=[1, 2, 3])
+    cache = RequestHashes(2)
+    for _ in range(2):
+        assert isinstance(raises_typed(lambda: cache.for_step(r, 3)), kf.InvalidArgumentError)
+    assert len(cache) == 0
+    r.all_token_ids.append(4)
+    got = cache.for_step(r, 3)
+    assert got is not None and got.hashes == (b"h0", b"h1")
+    r.block_hashes.append(b"h2")  # extended past the tokens: refused, the value kept
+    assert isinstance(raises_typed(lambda: cache.of(r)), kf.InvalidArgumentError)
+    assert cache.of(SimpleNamespace(request_id="a", block_hashes=[b"h0", b"h1"],
+                                    all_token_ids=[1, 2, 3, 4])) is got
 
 
 class _PosesAsInt(type):

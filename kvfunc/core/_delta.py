@@ -163,7 +163,7 @@ class BlocksChanged:
     stored_block_ids: _Column[tuple[int, ...]] = _Column()
     stored_hashes: _Column[tuple[bytes, ...]] = _Column()
     stored_parent_hashes: _Column[tuple[bytes | None, ...]] = _Column()
-    stored_token_ids: _Column[tuple[tuple[int, ...], ...]] = _Column()
+    stored_token_ids: _Column[tuple[tuple[int, ...] | None, ...]] = _Column()
     evicted_keys: _Column[tuple[str, ...]] = _Column()
     evicted_block_ids: _Column[tuple[int, ...]] = _Column()
     evicted_hashes: _Column[tuple[bytes, ...]] = _Column()

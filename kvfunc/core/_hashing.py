@@ -33,10 +33,10 @@ so it can be called after every token at the cost of one comparison; an
 engine that calls it only when a block fills (``len(tokens) % block_size``)
 hashes each block once and does nothing per token otherwise.
 Successive values of one request share two append-only lists (digests and
-token ids); a value owns their first ``num_blocks`` entries and never reads
-past them, and ``update`` appends in place only when nothing was appended
-after its own entries (otherwise it copies them), so extending a request
-by one block costs O(1), not a copy of every earlier digest.
+tokens; digests alone without tokens); a value owns their first ``num_blocks``
+entries and never reads past them, and ``update`` appends in place only when
+nothing was appended after its own (else copies them), so extending a
+request by one block costs O(1), not a copy of every earlier digest.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ class BlockHashes:
         num_blocks: full blocks hashed.
         num_tokens: tokens covered by the hashed full blocks.
         hashes: one digest per full block, in order (a tuple, built on access).
-        blocks: the token ids of each of those blocks (built on access).
+        blocks: the token ids of each of those blocks (built on access;
+            refused for hashes kept without tokens).
 
     >>> h = BlockHashes.of(range(40), block_size=16)
     >>> len(h.hashes), h.num_tokens

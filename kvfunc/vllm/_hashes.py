@@ -3,7 +3,8 @@
 vLLM hashes a request's full blocks itself (``request.block_hashes``, bytes
 digests of its request block hasher, extra keys included).  kvfunc uses them
 as they are (:meth:`~kvfunc.BlockHashes.of_digests`, no second hashing) and
-extends the value as the list grows, so a decode step costs one length check.
+extends the value as the list grows, so a decode step costs one length check
+(and a block that fills, a check that the request's tokens cover it).
 The value keeps no tokens (``token_ids=None``): vLLM's KV events take a
 block's tokens from the request, so no prompt token is checked or copied.
 A list that was rebuilt (a resumed streaming request clears it) is noticed by
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvfunc.core import BlockHashes, InvalidArgumentError
+from kvfunc.core._checks import excerpt
 
 __all__ = ["RequestHashes"]
 
@@ -51,10 +53,6 @@ class RequestHashes:
         """``request.block_hashes`` as a :class:`~kvfunc.BlockHashes` (cached per request)."""
         digests = request.block_hashes
         n = len(digests)
-        if n * self._block_size > len(request.all_token_ids):
-            msg = (f"{n} block hashes cover {n * self._block_size} tokens; request "
-                   f"{request.request_id!r} has {len(request.all_token_ids)}")
-            raise InvalidArgumentError(msg)
         got = self._by_request.get(request.request_id)
         if got is not None:
             m, value = got
@@ -62,12 +60,21 @@ class RequestHashes:
             if m == n and (not n or last == digests[n - 1]):
                 return value
             if m < n and (not m or last == digests[m - 1]):
+                self._covered(request, n)
                 value = value.extended(digests[m:], None)
                 self._by_request[request.request_id] = (n, value)
                 return value
+        self._covered(request, n)
         value = BlockHashes.of_digests(digests, None, self._block_size)
         self._by_request[request.request_id] = (n, value)
         return value
+
+    def _covered(self, request: Any, n: int) -> None:
+        """A typed error unless the request's tokens fill the blocks its ``n`` digests name."""
+        if n * self._block_size > len(request.all_token_ids):
+            msg = (f"{n} block hashes cover {n * self._block_size} tokens; request "
+                   f"{excerpt(request.request_id)} has {len(request.all_token_ids)}")
+            raise InvalidArgumentError(msg)
 
     def for_step(self, request: Any, written: int) -> BlockHashes | None:
         """The hashes a step that writes up to ``written`` tokens may cache with, or None.
@@ -85,8 +92,9 @@ class RequestHashes:
         news = (len(request.block_hashes), written // self._block_size)
         if self._seen.get(request.request_id) == news:
             return None
+        value = self.of(request)  # a refused conversion leaves nothing seen
         self._seen[request.request_id] = news
-        return self.of(request)
+        return value
 
     def unsee(self, request_id: Any) -> None:
         """The step that :meth:`for_step` answered did not happen (it was refused)."""
