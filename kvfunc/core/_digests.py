@@ -225,7 +225,6 @@ def _digest_list(hashes: object) -> list[BlockHash]:
     return digests
 
 
-
 def checked_blocks(block_size: object, hash_fn: str, root: object, hashes: object,
                    blocks: object) -> tuple[list[BlockHash], list[int]]:
     """The digests and the tokens, block after block, that ``BlockHashes(...)`` is given,
