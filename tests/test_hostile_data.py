@@ -194,6 +194,10 @@ def test_hashes_that_keep_no_tokens_name_the_same_blocks_and_refuse_token_reads(
     assert pickle.loads(pickle.dumps(bare)) == bare
     assert isinstance(raises_typed(lambda: pickle.loads(pickle.dumps(bare)).blocks),
                       kf.NotSupportedError)
+    for read in (lambda: bare.blocks, lambda: bare.block_token_ids(0),
+                 lambda: bare.token_ids_by_block(0, 2, 2), lambda: bare.extended([b"x"], [1])):
+        assert isinstance(raises_typed(read), kf.KVFuncError)
+    assert (bare.num_blocks, bare.hashes, bare._tokens) == (2, (b"d0", b"d1"), None)  # as it was
     longer = bare.extended([b"d2"], None)
     assert longer.hashes == (b"d0", b"d1", b"d2") and bare.num_blocks == 2
     assert bare.extended([b"x"], None).hashes == (b"d0", b"d1", b"x")  # copies: d2 is taken

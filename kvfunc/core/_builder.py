@@ -94,6 +94,6 @@ def _stored_rows(key: str, request_id: Any, positions: Sequence[int], run: Seque
                  tokens: list[int] | None, bs: int) -> Iterable[tuple[Any, ...]]:
     """The T rows of a contiguous run, ``tokens`` in blocks of ``bs`` (:func:`record_stored`;
     None rows where the hashes keep no tokens)."""
-    toks = iter(tokens or ())
-    return zip(repeat(key), repeat(request_id), positions, run, digests, parents,
-               repeat(None) if tokens is None else zip(*[toks] * bs, strict=True), strict=False)
+    blocks = repeat(None) if tokens is None else zip(*[iter(tokens)] * bs, strict=True)
+    return zip(repeat(key), repeat(request_id), positions, run, digests, parents, blocks,
+               strict=False)

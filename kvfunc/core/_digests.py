@@ -225,13 +225,13 @@ def _digest_list(hashes: object) -> list[BlockHash]:
     return digests
 
 
-def checked_blocks(block_size: object, hash_fn: str, root: object, hashes: object,
+def checked_blocks(block_size: int, hash_fn: str, root: bytes, hashes: object,
                    blocks: object) -> tuple[list[BlockHash], list[int]]:
     """The digests and the tokens, block after block, that ``BlockHashes(...)`` is given,
     checked: a typed error unless they are a valid value (a chain of ``hash_fn`` from ``root``,
     unless the hashes were computed elsewhere)."""
     if hash_fn != EXTERNAL:
-        _checked(block_size, hash_fn)  # type: ignore[arg-type]
+        _checked(block_size, hash_fn)
     else:
         _positive_size(block_size)
     if type(root) is not bytes:
@@ -252,7 +252,7 @@ def checked_blocks(block_size: object, hash_fn: str, root: object, hashes: objec
         tokens.extend(block)
     data = _pack(tokens)  # ints in range, no bools
     if hash_fn != EXTERNAL and digests != _chain(hash_fn, _CONSTRUCTORS.get(hash_fn), root,
-                                                 data, 8 * block_size):  # type: ignore[operator]
+                                                 data, 8 * block_size):
         msg = (f"the {len(digests)} hashes are not the {hash_fn} chain of their token "
                "blocks from root")
         raise InvalidArgumentError(msg)
