@@ -39,6 +39,8 @@ __all__ = ["TensorSet", "apply_delta", "copy_blocks", "swap_blocks", "zero_block
 TensorSet: TypeAlias = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
 BlockIds: TypeAlias = Sequence[int] | torch.Tensor | np.ndarray
 _Named = list[tuple[str, torch.Tensor]]
+#: Below this many ids a Python set tells repeats faster than ``torch.unique``.
+_FEW_IDS = 512
 
 
 def _named(tensors: TensorSet, what: str) -> _Named:
@@ -75,10 +77,14 @@ class _Ids:
             found = self.by_device[device] = self.host.to(device)
         return found
 
-    def check_range(self, tensors: _Named) -> None:
+    def check_range(self, tensors: _Named, rows: int | None = None) -> None:
+        """Every id within every tensor's blocks (``rows``: the fewest blocks of any, if
+        known: ids below it need no look at each tensor)."""
         if not len(self.host):
             return
         lo, hi = int(self.host.min()), int(self.host.max())
+        if rows is not None and 0 <= lo and hi < rows:
+            return
         for name, t in tensors:
             n = t.shape[0]
             if lo < 0 or hi >= n:
@@ -87,7 +93,10 @@ class _Ids:
                 raise BlockIndexError(msg)
 
     def check_unique(self) -> None:
-        if len(torch.unique(self.host)) != len(self.host):
+        n = len(self.host)
+        if n < _FEW_IDS and len(set(self.host.tolist())) == n:  # a set is faster for few
+            return
+        if len(torch.unique(self.host)) != n:
             values, counts = torch.unique(self.host, return_counts=True)
             msg = (f"{self.name} writes block {int(values[counts > 1][0])} more than once; "
                    "the result would depend on the order of the writes")

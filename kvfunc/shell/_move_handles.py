@@ -31,11 +31,11 @@ def _left(deadline: float | None) -> float | None:
 class LayerHandle:
     """Completion of one layer of a move: ``done()`` and ``wait()``."""
 
-    __slots__ = ("_cuda", "_move", "event")
+    __slots__ = ("_cuda", "_index", "_move")
 
-    def __init__(self, move: MoveHandle, cuda_event: Any = None) -> None:
+    def __init__(self, move: MoveHandle, index: int, cuda_event: Any = None) -> None:
         self._move = move
-        self.event = threading.Event()
+        self._index = index
         self._cuda = cuda_event
 
     def done(self) -> bool:
@@ -44,7 +44,8 @@ class LayerHandle:
         Raises:
             DeviceError: the move failed.
         """
-        finished = self.event.is_set() if self._cuda is None else bool(self._cuda.query())
+        finished = (self._move.layers_done > self._index if self._cuda is None
+                    else bool(self._cuda.query()))
         if finished:
             self._move.raise_error()
         return finished
@@ -59,9 +60,10 @@ class LayerHandle:
         if self._cuda is not None:
             finished = self._wait_cuda(deadline)
         else:
-            if self._move.worker is not None:
-                self._move.worker.help(self.event, deadline)
-            finished = self.event.wait(_left(deadline))
+            move = self._move
+            if move.worker is not None:
+                move.worker.help(move, self._index, deadline)
+            finished = move.wait_layers(self._index + 1, deadline)
         if finished:
             self._move.raise_error()
         return finished
@@ -80,24 +82,30 @@ class LayerHandle:
 class MoveHandle:
     """A move in flight: ``wait()``, ``done()`` and ``layers[i]``, one per layer.
 
-    Made by :class:`~kvfunc.shell.BlockMover`, which sets each layer's event when the
-    layer's blocks are in place:
+    Made by :class:`~kvfunc.shell.BlockMover`; on the CPU its worker calls
+    :meth:`finish_layer` as each layer's blocks land, in order (one lock
+    and one count for the whole move, whatever its number of layers):
 
     >>> h = MoveHandle(2)
     >>> len(h.layers), h.layers[0].done()
     (2, False)
-    >>> h.layers[0].event.set(); h.layers[1].event.set(); h.wait(), h.done()
+    >>> h.finish_layer(); h.layers[0].done(), h.done()
+    (True, False)
+    >>> h.finish_layer(); h.wait(), h.done()
     (True, True)
     """
 
-    __slots__ = ("_error", "layers", "worker")
+    __slots__ = ("_cond", "_error", "layers", "layers_done", "worker")
 
     def __init__(self, num_layers: int, cuda_events: Sequence[Any] | None = None,
                  worker: MoveWorker | None = None) -> None:
         self._error: BaseException | None = None
         self.worker = worker
+        self._cond = threading.Condition(threading.Lock())
+        #: layers whose blocks are in place (CPU moves: they finish in order)
+        self.layers_done = 0
         events = cuda_events if cuda_events is not None else [None] * num_layers
-        self.layers = tuple(LayerHandle(self, e) for e in events)
+        self.layers = tuple(LayerHandle(self, i, e) for i, e in enumerate(events))
 
     def done(self) -> bool:
         """Whether every layer is done.
@@ -122,11 +130,25 @@ class MoveHandle:
         if self._error is not None:
             raise DeviceError(f"moving blocks failed: {self._error}") from self._error
 
+    def finish_layer(self) -> None:
+        """The next layer's blocks are in place (the CPU worker's report)."""
+        with self._cond:
+            self.layers_done += 1
+            self._cond.notify_all()
+
     def fail(self, error: BaseException) -> None:
         """Record ``error`` and release every waiter."""
         self._error = error
-        for layer in self.layers:
-            layer.event.set()
+        with self._cond:
+            self.layers_done = len(self.layers)
+            self._cond.notify_all()
+
+    def wait_layers(self, count: int, deadline: float | None) -> bool:
+        """Block until ``count`` layers are done; False if ``deadline`` passed first."""
+        if self.layers_done >= count:
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self.layers_done >= count, _left(deadline))
 
 
 class MoveWorker:
@@ -164,19 +186,20 @@ class MoveWorker:
             with self._run:
                 self._run_next()
 
-    def help(self, finished: threading.Event, deadline: float | None) -> None:
-        """Run queued jobs in this thread until ``finished`` is set or ``deadline`` passes.
+    def help(self, move: MoveHandle, layer: int, deadline: float | None) -> None:
+        """Run queued jobs in this thread until ``move``'s ``layer`` is done or ``deadline``
+        passes.
 
         While this thread holds ``_run`` no job is running, so the awaited
         job is either done or still queued: running the oldest job brings it
         nearer, and never runs a job before one queued earlier.
         """
-        while not finished.is_set():
+        while move.layers_done <= layer:
             left = _left(deadline)
             if not self._run.acquire(timeout=-1 if left is None else left):
                 return
             try:
-                if not finished.is_set():
+                if move.layers_done <= layer:
                     self._run_next()
             finally:
                 self._run.release()

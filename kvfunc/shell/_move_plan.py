@@ -94,11 +94,17 @@ def plan_move(src_ids: np.ndarray, dst_ids: np.ndarray) -> MovePlan:
     n = len(src_ids)
     if n == 0:
         return MovePlan("runs", (), src_ids, dst_ids)
+    if n == 1:  # one pair: one run
+        return MovePlan("runs", (Segment(int(src_ids[0]), int(dst_ids[0]), 1),), src_ids,
+                        dst_ids)
     by_dst = np.argsort(dst_ids, kind="stable")
     s_d, d_d = src_ids[by_dst], dst_ids[by_dst]
+    joint = _starts(d_d, s_d)
+    if len(joint) == 1:  # one run: no grouping has fewer copies (ties go to runs)
+        return MovePlan("runs", (Segment(int(s_d[0]), int(d_d[0]), n),), src_ids, dst_ids)
     by_src = np.argsort(src_ids, kind="stable")
     s_s, d_s = src_ids[by_src], dst_ids[by_src]
-    joint, dst_runs, src_runs = _starts(d_d, s_d), _starts(d_d), _starts(s_s)
+    dst_runs, src_runs = _starts(d_d), _starts(s_s)
     best = min(len(joint), len(dst_runs), len(src_runs))
     if n > 1 and 2 * best > n:
         return MovePlan("scattered", (), src_ids, dst_ids)

@@ -147,11 +147,11 @@ def _run_cpu(handle: MoveHandle, plan: MovePlan, srcs: list[_Bytes], dsts: list[
              layers: list[list[int]]) -> None:
     """One CPU move, layer by layer (a job of the mover's worker)."""
     try:
-        for layer, group in zip(handle.layers, layers, strict=True):
+        for group in layers:
             if len(plan.src_ids):
                 for i in group:
                     copy_rows_cpu(plan, srcs[i], dsts[i])
-            layer.event.set()
+            handle.finish_layer()
     except Exception as exc:  # reported to every waiter by the handle
         handle.fail(exc)
 
@@ -178,6 +178,10 @@ class BlockMover:
     def __init__(self, device: list[_Bytes], host: list[_Bytes], layers: list[list[int]],
                  cuda: bool) -> None:
         self._device, self._host, self._layers, self._cuda = device, host, layers, cuda
+        #: (device, host): each side's tensors named for errors, and the fewest blocks of any
+        self._checks = tuple(([(f"tensor {i}", b.tensor) for i, b in enumerate(side)],
+                              min((b.tensor.shape[0] for b in side), default=0))
+                             for side in (device, host))
         self._worker: MoveWorker | None = None
         self._stream: Any = None
         self._lock = threading.Lock()
@@ -242,12 +246,12 @@ class BlockMover:
         if direction not in DIRECTIONS:
             msg = f"unknown direction {direction!r}; expected one of {DIRECTIONS}"
             raise InvalidArgumentError(msg)
-        srcs, dsts = ((self._device, self._host) if direction == "store"
-                      else (self._host, self._device))
+        dev, host = (self._device, self._checks[0]), (self._host, self._checks[1])
+        (srcs, src_check), (dsts, dst_check) = (dev, host) if direction == "store" else (host, dev)
         src, dst = _Ids(src_block_ids, "src_block_ids"), _Ids(dst_block_ids, "dst_block_ids")
         _pair(src, dst)
-        src.check_range([(f"tensor {i}", b.tensor) for i, b in enumerate(srcs)])
-        dst.check_range([(f"tensor {i}", b.tensor) for i, b in enumerate(dsts)])
+        src.check_range(*src_check)
+        dst.check_range(*dst_check)
         plan = plan_move(src.host.numpy(), dst.host.numpy())
         with self._lock:
             if self._closed:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfunc.core import BlockIndexError, InvalidArgumentError, InvalidTypeError
-from kvfunc.shell import BlockMover, DeviceError, HostBlockPool
-from kvfunc.shell._move_plan import plan_move, row_runs
+from kvfunc.shell import BlockMover, DeviceError, HostBlockPool, MoveHandle
+from kvfunc.shell._move_plan import Segment, plan_move, row_runs
 from kvfunc.shell._tiers import ROW_COPY_MIN_BYTES, copy_rows_cuda
 
 
@@ -111,6 +113,53 @@ def test_each_plan_kind_is_taken_and_correct() -> None:
         finally:
             mover.close()
 
+
+
+def test_a_move_that_is_one_run_is_one_copy_whatever_the_order_of_its_pairs() -> None:
+    """One pair, or pairs that form one run on both sides in any order, plan one slice copy."""
+    one = plan_move(np.array([7]), np.array([2]))
+    assert ("runs", (Segment(7, 2, 1),)) == (one.kind, one.segments)
+    run = plan_move(np.array([9, 7, 8]), np.array([4, 2, 3]))
+    assert ("runs", (Segment(7, 2, 3),)) == (run.kind, run.segments)
+    two = plan_move(np.array([9, 7]), np.array([2, 4]))  # both sides step, not together
+    assert 1 < two.num_copies
+
+
+def test_a_layer_is_done_once_the_worker_reports_it_and_a_failure_frees_every_waiter() -> None:
+    """A CPU move's layers finish in order: ``finish_layer`` marks the next one done and
+    wakes its waiters; ``fail`` marks them all, and each waiter gets the error."""
+    h = MoveHandle(3)
+    assert not h.layers[0].wait(0.01) and not h.done()
+    h.finish_layer()
+    assert h.layers[0].wait(0.01) and h.layers[0].done() and not h.layers[1].done()
+    seen: list[object] = []
+
+    def waiter(layer: int) -> None:
+        try:
+            seen.append(h.layers[layer].wait(30))
+        except DeviceError as exc:
+            seen.append(exc)
+
+    def blocked(n: int) -> None:  # until ``n`` waiters sleep on the move (CPython's list)
+        for _ in range(500):
+            if len(h._cond._waiters) == n:  # type: ignore[attr-defined]
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"{n} waiters never blocked")
+
+    threads = [threading.Thread(target=waiter, args=(i,)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    blocked(2)
+    h.finish_layer()  # layer 1: its waiter wakes at once with True, layer 2's still waits
+    threads[0].join(5)
+    assert not threads[0].is_alive() and [True] == seen and threads[1].is_alive()
+    blocked(1)
+    h.fail(RuntimeError("the copy broke"))  # wakes layer 2's waiter at once, with the error
+    threads[1].join(5)
+    assert not threads[1].is_alive() and isinstance(seen[1], DeviceError)
+    with pytest.raises(DeviceError, match="the copy broke"):
+        h.wait(0.01)
 
 def test_device_copies_are_one_per_contiguous_range() -> None:
     """A device copy takes runs of both-consecutive ids, single rows where a side is strided."""
