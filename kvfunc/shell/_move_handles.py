@@ -41,11 +41,19 @@ class LayerHandle:
     def done(self) -> bool:
         """Whether the layer's blocks are all in place (or the move failed).
 
+        On the CPU an answer of False first lets the worker thread run a
+        moment (it gives up the GIL): a loop that polls ``done()`` would
+        otherwise hold the GIL and starve the copy it waits for.
+
         Raises:
             DeviceError: the move failed.
         """
-        finished = (self._move.layers_done > self._index if self._cuda is None
-                    else bool(self._cuda.query()))
+        if self._cuda is not None:
+            finished = bool(self._cuda.query())
+        else:
+            finished = self._move.layers_done > self._index
+            if not finished and self._move.worker is not None:
+                time.sleep(0)  # the worker's turn
         if finished:
             self._move.raise_error()
         return finished

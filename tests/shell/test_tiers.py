@@ -161,6 +161,36 @@ def test_a_layer_is_done_once_the_worker_reports_it_and_a_failure_frees_every_wa
     with pytest.raises(DeviceError, match="the copy broke"):
         h.wait(0.01)
 
+
+def test_polling_done_lets_the_worker_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU layer that is not done gives up the GIL before it says so (a polling loop would
+    starve the worker for whole switch intervals): a busy poll sees the move land."""
+    import kvfunc.shell._move_handles as handles
+
+    real_sleep, slept = time.sleep, []
+    monkeypatch.setattr(handles.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    worker = handles.MoveWorker()
+    try:
+        h = MoveHandle(1, worker=worker)
+        assert not h.done() and [0] == slept
+        h.finish_layer()
+        assert h.done() and [0] == slept  # a layer that is done answers at once
+    finally:
+        worker.stop()
+    dev = cache(64, [(4096,)] * 4, seed=11)
+    host = HostBlockPool.like(dev, 64)
+    mover = BlockMover.create(dev, host)
+    try:
+        slept.clear()
+        handle, polls = mover.store(list(range(64)), list(range(64))), 0
+        while not handle.done() and polls < 10_000_000:
+            polls += 1
+        assert handle.done() and [0] * polls == slept  # each "not yet" gave the worker a turn
+        assert all(torch.equal(as_bytes(d), as_bytes(h)) for d, h in
+                   zip(dev.values(), host.tensors, strict=True))
+    finally:
+        mover.close()
+
 def test_device_copies_are_one_per_contiguous_range() -> None:
     """A device copy takes runs of both-consecutive ids, single rows where a side is strided."""
     src, dst = np.array([7, 3, 4, 5, 8]), np.array([9, 0, 1, 2, 10])
