@@ -146,8 +146,8 @@ class MoveHandle:
 
     def fail(self, error: BaseException) -> None:
         """Record ``error`` and release every waiter."""
-        self._error = error
         with self._cond:
+            self._error = error
             self.layers_done = len(self.layers)
             self._cond.notify_all()
 
@@ -177,12 +177,14 @@ class MoveWorker:
             self._queue.append(job)
             self._cond.notify()
 
-    def _run_next(self) -> None:
-        """Run the oldest queued job, if any; the caller holds ``_run``."""
+    def _run_next(self) -> bool:
+        """Run the oldest queued job, if any (False when none); the caller holds ``_run``."""
         with self._cond:
             job = self._queue.popleft() if self._queue else None
-        if job is not None:
-            job()
+        if job is None:
+            return False
+        job()
+        return True
 
     def _loop(self) -> None:
         while True:
@@ -207,10 +209,12 @@ class MoveWorker:
             if not self._run.acquire(timeout=-1 if left is None else left):
                 return
             try:
-                if move.layers_done <= layer:
-                    self._run_next()
+                if move.layers_done > layer or not self._run_next():
+                    return  # done, or nothing queued: the job ended without a report
             finally:
                 self._run.release()
+            if left is not None and _left(deadline) == 0.0:
+                return  # the time is up: the waiter reports it
 
     def stop(self, wait: bool = True) -> None:
         """Run what is queued, then end the thread (and with ``wait``, join it)."""

@@ -154,6 +154,9 @@ def _run_cpu(handle: MoveHandle, plan: MovePlan, srcs: list[_Bytes], dsts: list[
             handle.finish_layer()
     except Exception as exc:  # reported to every waiter by the handle
         handle.fail(exc)
+    except BaseException as exc:  # an interrupt in a waiter running the job: waiters go free
+        handle.fail(exc)
+        raise
 
 
 class BlockMover:

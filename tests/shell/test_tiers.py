@@ -114,15 +114,16 @@ def test_each_plan_kind_is_taken_and_correct() -> None:
             mover.close()
 
 
-
 def test_a_move_that_is_one_run_is_one_copy_whatever_the_order_of_its_pairs() -> None:
     """One pair, or pairs that form one run on both sides in any order, plan one slice copy."""
     one = plan_move(np.array([7]), np.array([2]))
     assert ("runs", (Segment(7, 2, 1),)) == (one.kind, one.segments)
     run = plan_move(np.array([9, 7, 8]), np.array([4, 2, 3]))
     assert ("runs", (Segment(7, 2, 3),)) == (run.kind, run.segments)
-    two = plan_move(np.array([9, 7]), np.array([2, 4]))  # both sides step, not together
+    two = plan_move(np.array([9, 7]), np.array([2, 4]))  # neither side steps by one
     assert 1 < two.num_copies
+    back = plan_move(np.array([8, 7]), np.array([2, 3]))  # one run on each side, not together
+    assert ("gather", 1) == (back.kind, back.num_copies)
 
 
 def test_a_layer_is_done_once_the_worker_reports_it_and_a_failure_frees_every_waiter() -> None:
@@ -147,17 +148,21 @@ def test_a_layer_is_done_once_the_worker_reports_it_and_a_failure_frees_every_wa
             time.sleep(0.01)
         raise AssertionError(f"{n} waiters never blocked")
 
-    threads = [threading.Thread(target=waiter, args=(i,)) for i in (1, 2)]
+    threads = [threading.Thread(target=waiter, args=(i,), daemon=True) for i in (1, 1, 2, 2)]
     for t in threads:
         t.start()
+    blocked(4)
+    h.finish_layer()  # layer 1: both its waiters wake at once with True, layer 2's still wait
+    for t in threads[:2]:
+        t.join(5)
+    assert [True, True] == seen and not any(t.is_alive() for t in threads[:2])
+    assert all(t.is_alive() for t in threads[2:])
     blocked(2)
-    h.finish_layer()  # layer 1: its waiter wakes at once with True, layer 2's still waits
-    threads[0].join(5)
-    assert not threads[0].is_alive() and [True] == seen and threads[1].is_alive()
-    blocked(1)
-    h.fail(RuntimeError("the copy broke"))  # wakes layer 2's waiter at once, with the error
-    threads[1].join(5)
-    assert not threads[1].is_alive() and isinstance(seen[1], DeviceError)
+    h.fail(RuntimeError("the copy broke"))  # wakes both of layer 2's waiters, with the error
+    for t in threads[2:]:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads[2:])
+    assert all(isinstance(e, DeviceError) for e in seen[2:]) and 4 == len(seen)
     with pytest.raises(DeviceError, match="the copy broke"):
         h.wait(0.01)
 
@@ -167,8 +172,14 @@ def test_polling_done_lets_the_worker_run(monkeypatch: pytest.MonkeyPatch) -> No
     starve the worker for whole switch intervals): a busy poll sees the move land."""
     import kvfunc.shell._move_handles as handles
 
-    real_sleep, slept = time.sleep, []
-    monkeypatch.setattr(handles.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    real_sleep, slept, me = time.sleep, [], threading.get_ident()
+
+    def sleep(seconds: float) -> None:  # records this thread's sleeps only
+        if threading.get_ident() == me:
+            slept.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(handles.time, "sleep", sleep)
     worker = handles.MoveWorker()
     try:
         h = MoveHandle(1, worker=worker)
@@ -177,17 +188,61 @@ def test_polling_done_lets_the_worker_run(monkeypatch: pytest.MonkeyPatch) -> No
         assert h.done() and [0] == slept  # a layer that is done answers at once
     finally:
         worker.stop()
-    dev = cache(64, [(4096,)] * 4, seed=11)
-    host = HostBlockPool.like(dev, 64)
+    dev = cache(256, [(4096,)] * 8, seed=11)  # 16 MiB: the move outlasts the first poll
+    host = HostBlockPool.like(dev, 256)
     mover = BlockMover.create(dev, host)
     try:
         slept.clear()
-        handle, polls = mover.store(list(range(64)), list(range(64))), 0
+        handle, polls = mover.store(list(range(256)), list(range(256))), 0
         while not handle.done() and polls < 10_000_000:
             polls += 1
-        assert handle.done() and [0] * polls == slept  # each "not yet" gave the worker a turn
+        assert handle.done() and 0 < polls
+        assert [0] * polls == slept  # each "not yet" gave the worker a turn
         assert all(torch.equal(as_bytes(d), as_bytes(h)) for d, h in
                    zip(dev.values(), host.tensors, strict=True))
+    finally:
+        mover.close()
+
+
+
+def test_a_waiter_that_runs_queued_moves_keeps_its_timeout() -> None:
+    """A caller whose wait runs queued jobs itself stops when its time is up (it runs at
+    most the job it started), and says False."""
+    import kvfunc.shell._move_handles as handles
+
+    worker = handles.MoveWorker()
+    worker.stop()  # no thread: only waiting callers run the jobs
+    h = MoveHandle(1, worker=worker)
+    for _ in range(10):
+        worker.submit(lambda: time.sleep(0.05))
+    worker.submit(h.finish_layer)
+    t0 = time.monotonic()
+    assert not h.wait(0.01)
+    assert time.monotonic() - t0 < 0.3  # one job of 50 ms at most, not all ten
+    assert h.wait(30)  # the rest, then the move's own job
+
+
+def test_an_interrupt_in_a_waiter_running_a_move_frees_every_other_waiter() -> None:
+    """A move's job that a waiting caller runs and that is interrupted (a BaseException)
+    fails the move before the interrupt goes on: its handle reports a DeviceError at once."""
+
+    class Interrupting:
+        def __setitem__(self, key: object, value: object) -> None:
+            raise KeyboardInterrupt
+
+    dev = cache(4, [(8,)], seed=12)
+    host = HostBlockPool.like(dev, 4)
+    mover = BlockMover.create(dev, host)
+    try:
+        mover.store([0], [0]).wait(30)  # the worker exists; now stop its thread
+        assert mover._worker is not None
+        mover._worker.stop()
+        mover._host[0].np = Interrupting()  # type: ignore[assignment]
+        handle = mover.store([1], [1])
+        with pytest.raises(KeyboardInterrupt):
+            handle.wait(30)
+        with pytest.raises(DeviceError):
+            handle.wait(0.01)
     finally:
         mover.close()
 
