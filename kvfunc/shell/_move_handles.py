@@ -97,10 +97,10 @@ class MoveHandle:
     >>> h = MoveHandle(2)
     >>> len(h.layers), h.layers[0].done()
     (2, False)
-    >>> h.finish_layer(); h.layers[0].done(), h.done()
-    (True, False)
-    >>> h.finish_layer(); h.wait(), h.done()
-    (True, True)
+    >>> h.finish_layer(); h.layers[0].done(), h.done(), h.wait_layers(2, time.monotonic())
+    (True, False, False)
+    >>> h.finish_layer(); h.wait(), h.done(), h.wait_layers(2, None)
+    (True, True, True)
     """
 
     __slots__ = ("_cond", "_error", "layers", "layers_done", "worker")
