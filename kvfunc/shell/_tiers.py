@@ -152,11 +152,10 @@ def _run_cpu(handle: MoveHandle, plan: MovePlan, srcs: list[_Bytes], dsts: list[
                 for i in group:
                     copy_rows_cpu(plan, srcs[i], dsts[i])
             handle.finish_layer()
-    except Exception as exc:  # reported to every waiter by the handle
+    except BaseException as exc:  # reported to every waiter by the handle
         handle.fail(exc)
-    except BaseException as exc:  # an interrupt in a waiter running the job: waiters go free
-        handle.fail(exc)
-        raise
+        if not isinstance(exc, Exception):  # an interrupt in a waiter running the job
+            raise
 
 
 class BlockMover:
@@ -181,10 +180,11 @@ class BlockMover:
     def __init__(self, device: list[_Bytes], host: list[_Bytes], layers: list[list[int]],
                  cuda: bool) -> None:
         self._device, self._host, self._layers, self._cuda = device, host, layers, cuda
-        #: (device, host): each side's tensors named for errors, and the fewest blocks of any
-        self._checks = tuple(([(f"tensor {i}", b.tensor) for i, b in enumerate(side)],
-                              min((b.tensor.shape[0] for b in side), default=0))
-                             for side in (device, host))
+        # each side's tensors, named for errors, and the fewest blocks any of them has
+        dev, hst = (([(f"tensor {i}", b.tensor) for i, b in enumerate(side)],
+                     min((b.tensor.shape[0] for b in side), default=0)) for side in (device, host))
+        #: direction -> (source side, destination side, and what each side's ids are checked on)
+        self._routes = {"store": (device, host, dev, hst), "load": (host, device, hst, dev)}
         self._worker: MoveWorker | None = None
         self._stream: Any = None
         self._lock = threading.Lock()
@@ -249,8 +249,7 @@ class BlockMover:
         if direction not in DIRECTIONS:
             msg = f"unknown direction {direction!r}; expected one of {DIRECTIONS}"
             raise InvalidArgumentError(msg)
-        dev, host = (self._device, self._checks[0]), (self._host, self._checks[1])
-        (srcs, src_check), (dsts, dst_check) = (dev, host) if direction == "store" else (host, dev)
+        srcs, dsts, src_check, dst_check = self._routes[direction]
         src, dst = _Ids(src_block_ids, "src_block_ids"), _Ids(dst_block_ids, "dst_block_ids")
         _pair(src, dst)
         src.check_range(*src_check)
