@@ -42,6 +42,8 @@ class Staging:
     def take(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
         """A region of ``nbytes`` (its offset and a uint8 view), or None if full."""
         with self.lock:
+            if self.engine is None:
+                raise LinkFailedError("the Mooncake engine is closed")
             if self.arena is None:
                 self.arena = empty_aligned((self.size,), torch.uint8, torch.device("cpu"),
                                            _STAGING_PAGE)
@@ -60,10 +62,11 @@ class Staging:
             self.ranges = release_range(self.ranges, region[0], region[1].numel())
 
     def close(self) -> None:
-        """Unregister the arena."""
-        if self.arena is not None:
-            self.engine.unregister_memory(self.arena.data_ptr())
-            self.arena = None
+        """Unregister the arena and let the engine go."""
+        with self.lock:
+            if self.arena is not None and self.engine is not None:
+                self.engine.unregister_memory(self.arena.data_ptr())
+            self.arena, self.engine = None, None
 
 
 class MooncakeEngine:
@@ -96,11 +99,21 @@ class MooncakeEngine:
         self.engine.unregister_memory(tensor.data_ptr())
 
     def close(self) -> None:
-        """Unregister the pools and the staging arena."""
+        """Unregister the pools and the staging arena, and destroy the engine now.
+
+        Destroying an engine that has talked to a peer takes Mooncake about a second,
+        during which it holds Python's GIL: every thread of the process stops.  Left to
+        the garbage collector, that second would fall on whatever runs next, in the
+        middle of a timed transfer; here it falls in :meth:`close`.  A read still in
+        flight keeps its own reference, so the engine dies when that read returns.
+        """
+        if self.engine is None:
+            return
         for buf in self.buffers:
             self.unregister(buf)
         self.buffers = []
         self.staging.close()
+        self.engine = None
 
 
 class Read:
@@ -108,6 +121,8 @@ class Read:
     batches.  :meth:`settled` says whether it returned; ``status`` 0 is success."""
 
     def __init__(self, engine: Any, session: str, slices: list[Slice]) -> None:
+        if engine is None:
+            raise LinkFailedError("the Mooncake engine is closed")
         self.engine, self.status = engine, None
         self.batch: int | None = None
         self.done: threading.Event | None = None
