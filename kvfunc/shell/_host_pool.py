@@ -27,7 +27,9 @@ their fingerprints are equal.
 
 Memory is pinned (page-locked) when the cache is on a CUDA device, so that
 copies to and from it run asynchronously; on the CPU (and other devices)
-pinning is skipped and :attr:`HostBlockPool.pinned` is False.
+pinning is skipped and :attr:`HostBlockPool.pinned` is False, and a buffer of
+2 MiB or more is advised for transparent huge pages
+(:func:`~kvfunc.shell._tensors.cpu_bytes`), as the shell's CPU caches are.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch
 from kvfunc.core import BlockIndexError, InvalidArgumentError, InvalidTypeError
 from kvfunc.shell._blocks import TensorSet, _named
 from kvfunc.shell._device import DeviceError
+from kvfunc.shell._tensors import HUGE_PAGE_BYTES, cpu_bytes
 
 __all__ = ["HostBlockPool", "Region"]
 
@@ -231,6 +234,8 @@ class HostBlockPool:
 
 
 def _host_bytes(nbytes: int, pinned: bool) -> torch.Tensor:
+    if not pinned and nbytes >= HUGE_PAGE_BYTES:
+        return cpu_bytes(nbytes)
     try:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     except RuntimeError as exc:

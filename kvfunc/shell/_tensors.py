@@ -31,6 +31,8 @@ memory on the CPU.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from collections.abc import Mapping
 
 import attrs
@@ -59,6 +61,7 @@ __all__ = [
     "ALIGNMENT_BYTES",
     "CacheTensorSpec",
     "cache_tensors_by_key",
+    "cpu_bytes",
     "create_cache_tensors",
     "empty_aligned",
     "empty_host_addressable",
@@ -67,6 +70,7 @@ __all__ = [
 ]
 
 ALIGNMENT_BYTES = 2 * 1024 * 1024
+HUGE_PAGE_BYTES = 2 * 1024 * 1024
 _LAYOUTS = ["BnBsND", "BnNBsD"]
 
 
@@ -180,7 +184,8 @@ def empty_aligned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
                   alignment: int = ALIGNMENT_BYTES) -> torch.Tensor:
     """An uninitialised contiguous tensor whose ``data_ptr()`` is a multiple of ``alignment``.
 
-    It is a view into a byte buffer ``alignment`` bytes larger than needed.
+    It is a view into a byte buffer ``alignment`` bytes larger than needed; on the
+    CPU, from 2 MiB up and for an alignment that divides 2 MiB, into :func:`cpu_bytes`.
 
     >>> t = empty_aligned((3, 5), torch.float16, torch.device("cpu"))
     >>> t.shape, t.data_ptr() % ALIGNMENT_BYTES, t.is_contiguous()
@@ -194,6 +199,8 @@ def empty_aligned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     for d in shape:
         numel *= d
     nbytes = numel * itemsize
+    if device.type == "cpu" and nbytes >= HUGE_PAGE_BYTES and HUGE_PAGE_BYTES % alignment == 0:
+        return cpu_bytes(nbytes).view(dtype).view(shape)
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8, device=device)
     offset = -raw.data_ptr() % alignment
     tensor = raw[offset:offset + nbytes].view(dtype).view(shape)
@@ -201,6 +208,40 @@ def empty_aligned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
         msg = f"cache_tensor not aligned to {alignment} bytes (ptr={tensor.data_ptr()})"
         raise DeviceError(msg)
     return tensor
+
+
+def cpu_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of CPU memory (zeros) that start on a 2 MiB boundary, advised for huge pages.
+
+    An anonymous mapping, 2 MiB larger than asked (the slack is never touched, so
+    it takes no memory).  Where the platform offers it (Linux) the kernel is asked
+    (``MADV_HUGEPAGE``) to back the mapping with transparent huge pages: a move of
+    blocks scattered over a large cache then misses the TLB far less
+    (``benchmarks/README.md``).  A kernel that refuses the advice gives ordinary
+    pages.  The tensor keeps the mapping alive.
+
+    Raises:
+        InvalidArgumentError: ``nbytes`` is not a positive int.
+        DeviceError: the memory cannot be mapped.
+
+    >>> t = cpu_bytes(3 << 20)
+    >>> t.shape, t.dtype, t.data_ptr() % HUGE_PAGE_BYTES, int(t.sum())
+    (torch.Size([3145728]), torch.uint8, 0, 0)
+    """
+    if type(nbytes) is not int or nbytes <= 0:
+        raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,
+                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, OverflowError, ValueError) as exc:
+        raise DeviceError(f"cannot map {nbytes} bytes of host memory: {exc}") from exc
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+            region.madvise(advice)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
+    return raw[offset:offset + nbytes]
 
 
 def empty_host_addressable(shape: tuple[int, ...], dtype: torch.dtype,
