@@ -2,13 +2,14 @@
 
 Theory of operation
 -------------------
-A device cache of ``L`` fp16 tensors (on this machine's CPU) and a host pool
-made like it (``HostBlockPool.like``) in each layout, ``layer`` and
-``block``.  One move copies ``N`` blocks of every tensor, device to host
-(``store``) or host to device (``load``), through ``BlockMover`` (its
-worker thread included: the time runs from the call to the end of
-``wait()``).  Three patterns of block ids, drawn once from a seeded stdlib
-generator:
+A device cache of ``L`` fp16 tensors (on this machine's CPU, allocated as the
+shell allocates a CPU cache: ``empty_aligned``, advised for transparent huge
+pages) and a host pool made like it (``HostBlockPool.like``, advised the same
+way) in each layout, ``layer`` and ``block``.  One move copies ``N`` blocks of
+every tensor, device to host (``store``) or host to device (``load``), through
+``BlockMover`` (its worker thread included: the time runs from the call to the
+end of ``wait()``).  Three patterns of block ids, drawn once from a seeded
+stdlib generator:
 
 * ``contiguous``: blocks ``0..N-1`` on both sides;
 * ``scattered``: device blocks scattered over a cache of ``4N`` blocks, host
@@ -17,12 +18,12 @@ generator:
 * ``scattered-both``: both sides scattered.
 
 The baseline is one ``dst.copy_(src)`` of two flat byte tensors of the same
-total size, in the same run: every round runs each lane and the baseline
-back to back (lanes and the order in each pair shuffled, seeded; the garbage
-collector off during a round).  The
-figure is the median over rounds of the paired ratio baseline time / move
-time: the mover's share of a plain copy's bandwidth (target >= 0.8).  Each
-lane's result is checked against an indexed copy before timing.
+total size and the same kind of memory (``cpu_bytes``), in the same run: every
+round runs each lane and the baseline back to back (lanes and the order in each
+pair shuffled, seeded; the garbage collector off during a round).  The figure
+is the median over rounds of the paired ratio baseline time / move time: the
+mover's share of a plain copy's bandwidth (target >= 0.8).  Each lane's result
+is checked against an indexed copy before timing.
 
 Run ``python benchmarks/bench_tiers.py [--quick] [--json PATH]``; torch runs
 on one thread on both sides of every ratio.
@@ -44,7 +45,8 @@ from typing import Any
 
 import torch
 
-from kvfunc.shell import BlockMover, HostBlockPool
+from kvfunc.shell import BlockMover, HostBlockPool, empty_aligned
+from kvfunc.shell._tensors import cpu_bytes
 
 SEED = 0
 TARGET = 0.8
@@ -121,11 +123,14 @@ def paired(lanes: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], rounds
 
 def bench_case(s: Settings, row_bytes: int, n: int, out: dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(SEED)
-    device = {f"t{i}": torch.randint(-2**15, 2**15, (4 * n, row_bytes // 2), generator=gen,
-                                     dtype=torch.int16).view(torch.float16)
-              for i in range(s.num_tensors)}
+    device = {}
+    for i in range(s.num_tensors):  # allocated as the shell allocates a CPU cache
+        t = empty_aligned((4 * n, row_bytes // 2), torch.int16, torch.device("cpu"))
+        t.copy_(torch.randint(-2**15, 2**15, t.shape, generator=gen, dtype=torch.int16))
+        device[f"t{i}"] = t.view(torch.float16)
     total = n * row_bytes * s.num_tensors
-    a, b = torch.ones(total, dtype=torch.uint8), torch.zeros(total, dtype=torch.uint8)
+    a, b = cpu_bytes(total), cpu_bytes(total)  # the same kind of memory as the caches
+    a.fill_(1)
     rng = random.Random(SEED)
     lanes: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {}
     movers = []
