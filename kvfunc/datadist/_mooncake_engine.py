@@ -79,6 +79,7 @@ class MooncakeEngine:
             raise FeatureNotEnabledError(
                 f"the mooncake transport needs mooncake-transfer-engine-non-cuda (the "
                 f"kvfunc[mooncake] extra) and libibverbs1: {exc}") from None
+        self.lock = threading.Lock()
         self.engine = TransferEngine()
         if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
             raise LinkFailedError(f"the Mooncake engine could not start on {host}")
@@ -105,15 +106,17 @@ class MooncakeEngine:
         during which it holds Python's GIL: every thread of the process stops.  Left to
         the garbage collector, that second would fall on whatever runs next, in the
         middle of a timed transfer; here it falls in :meth:`close`.  A read still in
-        flight keeps its own reference, so the engine dies when that read returns.
+        flight keeps its own reference until it settles, so the engine dies when the
+        last such read returns.
         """
-        if self.engine is None:
+        with self.lock:  # one closer unregisters; a second finds nothing left
+            engine, self.engine = self.engine, None
+            buffers, self.buffers = self.buffers, []
+        if engine is None:
             return
-        for buf in self.buffers:
-            self.unregister(buf)
-        self.buffers = []
+        for buf in buffers:
+            engine.unregister_memory(buf.data_ptr())
         self.staging.close()
-        self.engine = None
 
 
 class Read:
@@ -132,7 +135,7 @@ class Read:
             if 0 < batch < (1 << 63):
                 self.batch = batch
             else:
-                self.status = -1
+                self.status, self.engine = -1, None
             return
         self.done = threading.Event()
         threading.Thread(target=self._read_all, args=(session, slices), daemon=True,
@@ -152,16 +155,18 @@ class Read:
                 if status:
                     break
         finally:
-            self.status = status
+            self.status, self.engine = status, None  # the engine may die with this read
             assert self.done is not None
             self.done.set()
 
     def settled(self) -> bool:
         """Whether the read returned (it writes nothing any more)."""
-        if self.status is None and self.batch is not None:
-            status = self.engine.transfer_check_status(self.batch)  # 1 done, -1 failed
+        engine = self.engine  # one thread looks at a time (the waiter, then abandon's)
+        if self.status is None and self.batch is not None and engine is not None:
+            status = engine.transfer_check_status(self.batch)  # 1 done, -1 failed
             if status in (1, -1):  # the engine freed the batch: never look at it again
                 self.status, self.batch = (0 if status == 1 else -1), None
+                self.engine = None  # a closed engine may die now, not with this object
         return self.status is not None
 
     def wait(self, deadline: float, what: str) -> None:

@@ -59,6 +59,7 @@ from kvfunc.shell._device import (
 
 __all__ = [
     "ALIGNMENT_BYTES",
+    "HUGE_PAGE_BYTES",
     "CacheTensorSpec",
     "cache_tensors_by_key",
     "cpu_bytes",
@@ -185,7 +186,14 @@ def empty_aligned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     """An uninitialised contiguous tensor whose ``data_ptr()`` is a multiple of ``alignment``.
 
     It is a view into a byte buffer ``alignment`` bytes larger than needed; on the
-    CPU, from 2 MiB up and for an alignment that divides 2 MiB, into :func:`cpu_bytes`.
+    CPU, from 2 MiB up and for an alignment that divides 2 MiB, it is
+    :func:`cpu_bytes` (2 MiB-aligned, advised for transparent huge pages).
+
+    Raises:
+        InvalidArgumentError: ``alignment`` is not a positive multiple of the
+            dtype's size.
+        DeviceError: CPU memory cannot be mapped, or the device's allocator
+            broke the alignment.
 
     >>> t = empty_aligned((3, 5), torch.float16, torch.device("cpu"))
     >>> t.shape, t.data_ptr() % ALIGNMENT_BYTES, t.is_contiguous()
@@ -215,10 +223,12 @@ def cpu_bytes(nbytes: int) -> torch.Tensor:
 
     An anonymous mapping, 2 MiB larger than asked (the slack is never touched, so
     it takes no memory).  Where the platform offers it (Linux) the kernel is asked
-    (``MADV_HUGEPAGE``) to back the mapping with transparent huge pages: a move of
-    blocks scattered over a large cache then misses the TLB far less
-    (``benchmarks/README.md``).  A kernel that refuses the advice gives ordinary
-    pages.  The tensor keeps the mapping alive.
+    (``MADV_HUGEPAGE``) to back the whole 2 MiB pages of the tensor with
+    transparent huge pages: a move of blocks scattered over a large cache then
+    misses the TLB far less (``benchmarks/README.md``).  A tail shorter than 2 MiB
+    and the slack keep ordinary pages, so a size just over a multiple of 2 MiB
+    takes no more memory than it asks for.  A kernel that refuses the advice gives
+    ordinary pages throughout.  The tensor keeps the mapping alive.
 
     Raises:
         InvalidArgumentError: ``nbytes`` is not a positive int.
@@ -230,17 +240,19 @@ def cpu_bytes(nbytes: int) -> torch.Tensor:
     """
     if type(nbytes) is not int or nbytes <= 0:
         raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
+    private = getattr(mmap, "MAP_PRIVATE", None)  # POSIX; elsewhere a plain anonymous map
+    flags = {} if private is None else {"flags": private | mmap.MAP_ANONYMOUS}
     try:
-        region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,
-                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, **flags)
     except (OSError, OverflowError, ValueError) as exc:
         raise DeviceError(f"cannot map {nbytes} bytes of host memory: {exc}") from exc
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        with contextlib.suppress(OSError):  # a kernel without transparent huge pages
-            region.madvise(advice)
     raw = torch.frombuffer(region, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    whole = nbytes - nbytes % HUGE_PAGE_BYTES
+    if advice is not None and whole:
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+            region.madvise(advice, offset, whole)
     return raw[offset:offset + nbytes]
 
 

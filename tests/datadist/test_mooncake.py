@@ -4,6 +4,7 @@ in place or staged."""
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -108,14 +109,43 @@ def test_finalize_destroys_the_engine_and_later_use_fails_typed(prompt: PeerProc
             [dd.ClusterInfo(0, *prompt.address)], timeout=WAIT_MS)[1]
         engine = d._engine
         assert engine.staging.take(1 << 16) is not None
+        alive = weakref.ref(engine.engine)
     finally:
         d.finalize()
     assert engine.engine is None and engine.staging.engine is None
+    assert alive() is None  # destroyed in finalize: nothing else held it
     with pytest.raises(dd.LinkFailedError):
         engine.staging.take(1 << 16)
     with pytest.raises(dd.LinkFailedError):
         Read(engine.engine, "127.0.0.1:1", [(0, 0, 1)])
     engine.close()  # closing twice is harmless
+
+
+class FakeEngine:
+    """The engine calls a :class:`Read` makes: every read succeeds at once."""
+
+    def batch_transfer_async_read(self, *args: Any) -> int:
+        return 7  # a batch id
+
+    def transfer_check_status(self, batch: int) -> int:
+        return 1  # done
+
+    def batch_transfer_sync_read(self, *args: Any) -> int:
+        return 0  # done
+
+
+@pytest.mark.parametrize("slices", [1, 3])
+def test_a_read_lets_its_engine_go_once_it_settles(slices: int) -> None:
+    """A settled read (polled, or read by its thread) holds no engine: a closed engine
+    dies when its last read returns, not whenever the read object is collected."""
+    from kvfunc.datadist._mooncake_engine import Read
+
+    engine = FakeEngine()
+    alive = weakref.ref(engine)
+    read = Read(engine, "127.0.0.1:1", [(0, 0, 1)] * slices)
+    del engine
+    read.wait(time.monotonic() + 5, "a read")
+    assert (0, None) == (read.status, alive())
 
 
 MID = dd.CacheDesc(2, (16, 8, 1024), dd.DataType.DT_BF16)  # rows of 16 KiB

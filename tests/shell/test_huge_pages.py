@@ -57,11 +57,18 @@ def test_large_cpu_caches_and_host_pools_are_advised_small_ones_are_not() -> Non
     odd = empty_aligned((4, 1 << 19), torch.float16, torch.device("cpu"), 3 << 20)
     assert (True, False) == (advised(big), advised(small))
     assert 0 == odd.data_ptr() % (3 << 20)  # an alignment 2 MiB does not serve: plain memory
+    assert not advised(odd)
     pool = HostBlockPool.like({"k": big.view(64, 32768)}, 128)
     assert advised(pool.buffers[0]) and not pool.pinned
     assert not advised(HostBlockPool.like({"k": small.view(4, 1024)}, 4).buffers[0])
 
 
 @needs_advice
-def test_cpu_bytes_asks_for_huge_pages() -> None:
+def test_cpu_bytes_asks_for_huge_pages_for_its_whole_2_mib_pages_only() -> None:
+    """A tail shorter than 2 MiB keeps ordinary pages: a huge one would take up to
+    2 MiB more than was asked for."""
     assert advised(cpu_bytes(HUGE_PAGE_BYTES))
+    t = cpu_bytes(2 * HUGE_PAGE_BYTES + 4096)
+    assert (True, True, False) == (advised(t), advised(t[HUGE_PAGE_BYTES:]),
+                                   advised(t[2 * HUGE_PAGE_BYTES:]))
+    assert not advised(cpu_bytes(HUGE_PAGE_BYTES - 4096))
