@@ -95,16 +95,12 @@ class MooncakeEngine:
         if self.engine.register_memory(tensor.data_ptr(), nbytes) != 0:
             raise LinkFailedError(f"Mooncake could not register {nbytes} bytes")
 
-    def unregister(self, tensor: torch.Tensor) -> None:
-        """Undo :meth:`register`."""
-        self.engine.unregister_memory(tensor.data_ptr())
-
     def close(self) -> None:
         """Unregister the pools and the staging arena, and destroy the engine now.
 
-        Destroying an engine that has talked to a peer takes Mooncake about a second,
-        during which it holds Python's GIL: every thread of the process stops.  Left to
-        the garbage collector, that second would fall on whatever runs next, in the
+        Destroying an engine that has talked to a peer takes Mooncake 0.5-1 s, during
+        which it holds Python's GIL: every Python thread of the process stops.  Left to
+        the garbage collector, that pause would fall on whatever runs next, in the
         middle of a timed transfer; here it falls in :meth:`close`.  A read still in
         flight keeps its own reference until it settles, so the engine dies when the
         last such read returns.

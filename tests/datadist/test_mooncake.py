@@ -27,7 +27,7 @@ MOONCAKE = {"llm.TransferBackend": "mooncake"}
 
 
 #: How long either side of these tests waits for the other (ms).  Destroying a Mooncake
-#: engine that has talked to a peer holds Python's GIL for about a second; finalize()
+#: engine that has talked to a peer holds Python's GIL for 0.5-1 s; finalize()
 #: does it now, but other stalls of a few tenths of a second remain (imports, the first
 #: handshake), so waits stay generous and bounded.
 WAIT_MS = 10000
