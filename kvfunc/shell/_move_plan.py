@@ -106,7 +106,7 @@ def plan_move(src_ids: np.ndarray, dst_ids: np.ndarray) -> MovePlan:
     s_s, d_s = src_ids[by_src], dst_ids[by_src]
     dst_runs, src_runs = _starts(d_d), _starts(s_s)
     best = min(len(joint), len(dst_runs), len(src_runs))
-    if n > 1 and 2 * best > n:
+    if 2 * best > n:  # n > 1 here
         return MovePlan("scattered", (), src_ids, dst_ids)
     if len(joint) == best:
         segments = [Segment(int(s_d[i]), int(d_d[i]), j - i) for i, j in _bounds(joint, n)]

@@ -204,7 +204,6 @@ def test_polling_done_lets_the_worker_run(monkeypatch: pytest.MonkeyPatch) -> No
         mover.close()
 
 
-
 def test_a_waiter_that_runs_queued_moves_keeps_its_timeout() -> None:
     """A caller whose wait runs queued jobs itself stops when its time is up (it runs at
     most the job it started), and says False."""
@@ -245,6 +244,7 @@ def test_an_interrupt_in_a_waiter_running_a_move_frees_every_other_waiter() -> N
             handle.wait(0.01)
     finally:
         mover.close()
+
 
 def test_device_copies_are_one_per_contiguous_range() -> None:
     """A device copy takes runs of both-consecutive ids, single rows where a side is strided."""
