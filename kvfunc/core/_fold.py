@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 from kvfunc.core._checks import check_count, check_manager_keys, check_request_id, excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 from kvfunc.core._hashing import BlockHashes
+from kvfunc.core._policy import blocks_needed, slid_out
 from kvfunc.core._prefix import PrefixHit
 from kvfunc.core._step import lean_step, step
 from kvfunc.core._transient import Transient
@@ -316,6 +317,39 @@ def work_of(views: Sequence[Any], limit: int, rid: Any, computed: int, written: 
         if written >= row[7] or written >= row[5] + view.traits[0]:
             answer |= CACHING
     return answer
+
+
+def growth(views: Sequence[Any], rid: Any, computed: int, total: int) -> list[int] | None:
+    """The blocks each group of ``views`` takes for a step of ``rid`` from ``computed`` tokens
+    to ``total`` when the step only grows its tables (and caches what completes), as the
+    fold's lane serves it; None when the rows say it does more: a block to let go, a write to
+    copy, or no row.  Ask :func:`work_of` first: its SLIDES bit must be clear (which also
+    rules out counts past the state's limit and the lane being off).
+    """
+    out = []
+    for view in views:
+        row = view.rows.get(rid)
+        if row is None or computed >= row[6] or not row[8] <= computed:
+            return None
+        out.append(blocks_needed(view.policy, True, row[9], total)[1] if total > row[5] else 0)
+    return out
+
+
+def gives_back_cached(views: Sequence[Any], rid: Any, computed: int, total: int) -> bool:
+    """Whether a step of ``rid`` from ``computed`` tokens to ``total`` takes no block and
+    lets go only blocks that cache something, as the rows tell: a free block it lets go then
+    joins the back of a linked pool's free queue (with no priority in use), never the front.
+    """
+    for view in views:
+        row = view.rows.get(rid)
+        if row is None or not row[8] <= computed:
+            return False
+        if total > row[5] and blocks_needed(view.policy, True, row[9], total)[1]:
+            return False
+        if computed >= row[6] and slid_out(view.policy, view.traits[2], computed,
+                                           row[9]) > max(row[1], row[2]):
+            return False
+    return True
 
 
 def _general(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] | None,

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import immutables
 
-from kvfunc.core._lineage import Store, Version, reading
+from kvfunc.core._lineage import LOCK, Store, Version, reading
 from kvfunc.core._queue import Linked, Ring
 
 __all__ = ["EMPTY_MAP", "PoolState", "cache_key"]
@@ -205,3 +205,33 @@ class PoolState(NamedTuple):
 
 
 _new = tuple.__new__
+
+
+def next_free(pool: PoolState, after: int | None, n: int) -> list[int] | None:
+    """The ``n`` blocks ``pool``'s free queue hands out next, after the free block ``after``
+    (None: from the front), as ``n`` one-block takes would pop them; None when fewer are
+    queued, or when the pool is not a linked one whose lineage it heads with nobody writing
+    (the answer would need a copy).
+
+    For a caller that promises blocks to takes it makes later, in order (``kvfunc.vllm``'s
+    owed takes): ``after`` is the last block it promised, still free in ``pool``.
+
+    >>> p = PoolState.create("full", ("full",), 5, linked=True, caching=True)
+    >>> next_free(p, None, 2), next_free(p, 2, 2), next_free(p, 2, 3)
+    ([1, 2], [3, 4], None)
+    """
+    ver = pool.ver
+    with LOCK:  # no claim lands while the links are walked
+        store = None if ver is None else ver.node.store
+        if store is None or store.txn is not None:
+            return None
+        nxt, s = store.next, pool.queue.sentinel
+        b = nxt[s if after is None else after]
+        out: list[int] = []
+        while len(out) < n:
+            if b == s:  # fewer free blocks than asked for
+                return None
+            if b < s:  # a priority marker's node is past the sentinel
+                out.append(b)
+            b = nxt[b]
+        return out

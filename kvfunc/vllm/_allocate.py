@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvfunc as kf
-from kvfunc.core._fold import CACHING, NOTHING, work_of
+from kvfunc.core._fold import CACHING, NOTHING, SLIDES, work_of
 from kvfunc.core._rows import row_tail
 from kvfunc.core._transitions import busy_slots
 from kvfunc.vllm import _accounting, _inflight
@@ -105,7 +105,7 @@ class Allocation(ManagerBase):
         hit = None
         if new_computed_blocks is not None and any(new_computed_blocks):
             hit = [[b.block_id for b in g] for g in new_computed_blocks]
-        return _accounting.blocks_to_allocate(self._value, self._layout, request_id, num_tokens,
+        return _accounting.blocks_to_allocate(self._tables, self._layout, request_id, num_tokens,
                                               hit, total_computed_tokens, apply_admission_cap)
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -148,9 +148,15 @@ class Allocation(ManagerBase):
             self._owe(request, computed, num_new_tokens, num_lookahead_tokens)
             return self.empty_kv_cache_blocks  # a block filled: cached later (``_pay_owed``)
         hashes = self._hashes.for_step(request, written) if self.enable_caching else None
+        if (not work & SLIDES and self._defers and not self._zeroing
+                and self.metrics_collector is None):  # maybe only a take: owed (_owe_take)
+            taken = self._owe_take(request, state, work, computed, num_new_tokens,
+                                   num_lookahead_tokens, hashes)
+            if taken is not None:
+                return taken
         merged = False
         if owed:  # this transition caches what the request owes, or what is owed is paid
-            merged = self._settle_owed(request, work, computed)
+            merged = self._settle_owed(request, work, computed, written + num_lookahead_tokens)
             state = self._value
             if merged and hashes is None:
                 hashes = self._hashes.of(request)
@@ -161,6 +167,10 @@ class Allocation(ManagerBase):
         if new_state is state:  # refused, or nothing to do
             return self.empty_kv_cache_blocks if result.ok else self._refused(
                 request, max(0, computed - request.num_in_flight_tokens))
+        if self._takes:  # it comes before the owed takes: it takes no block
+            self._commit(new_state, result.delta, "allocate_slots", request,
+                         (computed, written), ahead=True)
+            return self.empty_kv_cache_blocks
         return self._adopt(state, new_state, result.delta, request, None, (computed, written), 0,
                            skip_zeroing_group_ids)
 

@@ -4,14 +4,15 @@
 calls, only what vLLM needs from it: the KV events and new block ids not
 taken yet, the prefix-cache stats, the converted hashes of each request (a
 cache of ``request.block_hashes``), the ``KVCacheBlock`` handles it gives
-vLLM, and the calls owed to the cache (decode calls whose only work is
-caching a block that filled: :meth:`ManagerBase._pay_owed`).
+vLLM, and the owed calls (decode calls whose only work is caching a block
+that filled, or taking the next blocks: :meth:`ManagerBase._pay_owed`).
 :meth:`ManagerBase._commit` is the one place the state changes: each
 scheduler call that changes the cache hands it one transition's state and
 delta, and it turns the delta into what vLLM reads (events, metrics, block
 ids to zero).  ``_state`` is the state with every owed call paid (what
 readers read); ``_value`` the last committed one, for what owed calls cannot
-change (free counts, tables).
+change (the tables and rows of a request that owes no take; free counts
+less the blocks promised).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import kvfunc as kf
-from kvfunc.core._fold import CACHING, SLIDES
+from kvfunc.core._fold import CACHING, SLIDES, gives_back_cached, growth
+from kvfunc.core._pool import next_free
 from kvfunc.vllm._events import vllm_events
 from kvfunc.vllm._handles import Handles
 from kvfunc.vllm._hashes import RequestHashes
@@ -91,10 +93,12 @@ class ManagerBase:
         self._windowed = any(w is not None for w in layout.windows)
         self._value = layout.initial_state()
         #: request id -> (its entry, the digests it may cache, how many digests it had, the
-        #: position of the first of them): decode calls whose only work, caching the blocks
-        #: that filled, is owed (_pay_owed)
-        self._owed: dict[Any, tuple[kf.SlotRequest, list[bytes], int, int]] = {}
+        #: position of the first of them, the blocks it takes or None): decode calls whose
+        #: only work, caching the blocks that filled or taking blocks, is owed (_pay_owed)
+        self._owed: dict[Any, tuple[kf.SlotRequest, Any, int, int, list[int] | None]] = {}
         self._owed_keys: set[bytes] = set()  # every owed call's digests (disjoint sets)
+        self._takes = 0  # blocks the owed calls take
+        self._cursor: int | None = None  # the last of them in the free queue
         self._defers = enable_caching and not enable_kv_cache_events
         self._handles = Handles(layout.num_blocks, KVCacheBlock)
         self._hashes = RequestHashes(layout.block_size)
@@ -118,6 +122,14 @@ class ManagerBase:
             self._pay_owed()
         return self._value
 
+    @property
+    def _tables(self) -> kf.KVState:
+        """The state whose tables are current: the owed takes done first, if any (the owed
+        caching changes no table)."""
+        if self._takes:
+            self._pay_owed()
+        return self._value
+
     def _pay_owed(self) -> None:
         """Make the owed calls' transitions now, in the order they came: one transition.
 
@@ -133,12 +145,25 @@ class ManagerBase:
         disjoint, so every other call gives what it would have given after the
         owed ones (``docs/how-to/vllm.md``, "Calls owed to the cache").  With
         KV events on nothing is owed (their order is vLLM's).
+
+        A decode call whose only work is taking blocks (and caching what
+        fills) is owed too (:meth:`_owe_take`): it answers with the blocks the
+        free queue hands out next after those promised to earlier owed calls,
+        which this one transition, making the calls in the order they came,
+        takes; it checks that each took what it promised.  While takes are
+        owed every read of the tables or the free queue, and every other
+        change, pays first, but a step that may come before them
+        (:meth:`_ahead_of_takes`).
         """
         owed = self._owed
         result = kf.allocate_batch(self._value, [e[0] for e in owed.values()])
-        if result.refused:  # caching takes no block: never refused
-            raise kf.KVFuncError(f"caching owed by {list(result.refused)} was refused")
-        self._owed, self._owed_keys = {}, set()
+        if result.refused:  # caching takes no block, and the takes were counted: never refused
+            raise kf.KVFuncError(f"the calls owed by {list(result.refused)} were refused")
+        if self._takes:
+            promised = [b for e in owed.values() if e[4] for b in e[4]]
+            if [b for b in result.delta.appended_block_ids if b] != promised:
+                raise kf.KVFuncError("the owed takes did not take the blocks they promised")
+        self._owed, self._owed_keys, self._takes, self._cursor = {}, set(), 0, None
         self._commit(result.state, result.delta, "cache_blocks", None,
                      tuple(e[0][:4] for e in owed.values()))
 
@@ -152,8 +177,55 @@ class ManagerBase:
         if not self._owed_keys.isdisjoint(keys):  # an owed call caches one of them too
             self._pay_owed()
         self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None, hashes,
-                                                 None)), keys, n, first)
+                                                 None)), keys, n, first, None)
         self._owed_keys.update(keys)
+
+    def _owe_take(self, request: Any, state: kf.KVState, work: int, computed: int, new: int,
+                  lookahead: int, hashes: kf.BlockHashes | None) -> Any:
+        """Owe a decode call whose work is taking blocks (and caching what fills): the
+        ``KVCacheBlocks`` of the blocks it will take, or None (nothing owed) when it does more,
+        does not fit, or its caching meets an owed call's (see :meth:`_pay_owed`).
+
+        The blocks are the free queue's next ones past those already promised: the owed
+        calls are made in the order they came, so each pops exactly what was promised.
+        """
+        rid = request.request_id
+        needs = growth(state.groups, rid, computed, computed + new + lookahead)
+        if needs is None:
+            return None
+        n = sum(needs)
+        pool = state.pools[0]
+        if not n or len(state.pools) != 1 or pool.num_free - self._takes < n:
+            return None
+        ids = next_free(pool, self._cursor, n)
+        if ids is None:
+            return None
+        mine = self._owed.get(rid)
+        if mine is not None:  # what it owes merges into the take, or nothing is owed here
+            if not self._merges(request, mine, computed):
+                return None
+            self._forgive(rid)
+            if hashes is None:
+                hashes = self._hashes.of(request)
+        elif work & CACHING and self._meets(request, computed):
+            return None  # its caching is ordered against the owed call's: pay first
+        keys: Any = ()  # the digests it may cache (disjoint from the other owed calls')
+        known = first = 0
+        if hashes is not None and (work & CACHING or mine is not None):
+            known = hashes.num_blocks
+            first = self._first_uncached(rid, known)
+            keys = request.block_hashes[first:known]
+        tables, at = [], 0
+        for need in needs:
+            tables.append(ids[at:at + need])
+            at += need
+        self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None, hashes,
+                                                 None)), keys, known, first, ids)
+        self._owed_keys.update(keys)
+        self._takes += n
+        self._cursor = ids[-1]
+        blocks = self._handles.blocks
+        return self._blocks_type(tuple(blocks(t) for t in tables))
 
     def _first_uncached(self, rid: Any, limit: int) -> int:
         """The first position, at most ``limit``, that some group of ``rid`` has not cached
@@ -168,7 +240,7 @@ class ManagerBase:
             first = min(first, row[2] if row[2] > row[1] else row[1])
         return first
 
-    def _settle_owed(self, request: Any, work: int, computed: int) -> bool:
+    def _settle_owed(self, request: Any, work: int, computed: int, total: int) -> bool:
         """Before a step of ``request`` from ``computed`` tokens (``work``: what its rows
         say is left to do), with something owed: True when the step caches what the request
         owes itself (call :meth:`_forgive` once it is accepted); else every owed call is
@@ -178,15 +250,39 @@ class ManagerBase:
         below the owed blocks (a block copied on write is cached again), or a digest after
         the owed ones is owed by another call.
         """
-        rid, bs = request.request_id, self._layout.block_size
-        mine = self._owed.get(rid)
-        if (mine is not None and not work & SLIDES and computed // bs >= mine[3]
-                and self._owed_keys.isdisjoint(request.block_hashes[mine[2]:])):
+        if self._takes and not self._ahead_of_takes(request, computed, total):
+            self._pay_owed()
+            return False
+        mine = self._owed.get(request.request_id)
+        if mine is not None and not work & SLIDES and self._merges(request, mine, computed):
             return True
-        if mine is not None or (work & CACHING and not self._owed_keys.isdisjoint(
-                request.block_hashes[self._first_uncached(rid, computed // bs):])):
+        if mine is not None or (work & CACHING and self._meets(request, computed)):
             self._pay_owed()
         return False
+
+    def _meets(self, request: Any, computed: int) -> bool:
+        """Whether a step of ``request`` from ``computed`` tokens could cache a digest an owed
+        call caches: its digests from its first uncached block (its computed blocks', when
+        it may copy on write) against the owed ones."""
+        first = self._first_uncached(request.request_id, computed // self._layout.block_size)
+        return bool(self._owed_keys) and not self._owed_keys.isdisjoint(
+            request.block_hashes[first:])
+
+    def _ahead_of_takes(self, request: Any, computed: int, total: int) -> bool:
+        """Whether a step of ``request`` may come before the owed takes it follows: it takes
+        no block and every block it lets go joins the back of the free queue, behind the
+        blocks promised, so every owed take still pops its own.  (A request that owes a take
+        itself pays it first all the same: :meth:`_merges` never merges a take.)"""
+        return (not self._value.pools[0].queue.levels
+                and gives_back_cached(self._value.groups, request.request_id, computed, total))
+
+    def _merges(self, request: Any, mine: tuple[Any, ...], computed: int) -> bool:
+        """Whether a step of ``request`` from ``computed`` tokens may cache what the request
+        owes (``mine``, not a take) in its own transition: it writes nothing below the owed
+        blocks (a block copied on write is cached again), and no digest after them is owed
+        by another call."""
+        return (not mine[4] and computed // self._layout.block_size >= mine[3]
+                and self._owed_keys.isdisjoint(request.block_hashes[mine[2]:]))
 
     def _forgive(self, rid: Any) -> None:
         """``rid``'s owed call is done (its own transition cached what it owed)."""
@@ -196,7 +292,7 @@ class ManagerBase:
     def _state_for(self, request: Any, reads_digests: bool = True) -> kf.KVState:
         """The state as a call about ``request`` sees it: the owed calls paid first when it
         owes one, or (``reads_digests``) when its digests meet an owed one."""
-        if self._owed and (request.request_id in self._owed or (
+        if self._owed and (self._takes or request.request_id in self._owed or (
                 reads_digests and not self._owed_keys.isdisjoint(request.block_hashes))):
             self._pay_owed()
         return self._value
@@ -227,13 +323,14 @@ class ManagerBase:
         self._value = state
         self._owed.clear()
         self._owed_keys.clear()
+        self._takes, self._cursor = 0, None
         self._hashes.clear()
 
     @property
     def num_free_blocks(self) -> int:
         """Free blocks of the one pool (cached blocks waiting in the queue included; caching
         owed changes none)."""
-        return self._value.pools[0].num_free
+        return self._value.pools[0].num_free - self._takes
 
     @property
     def usage(self) -> float:
@@ -242,12 +339,17 @@ class ManagerBase:
         return 1.0 - self.num_free_blocks / total if total else 0.0
 
     def _commit(self, state: kf.KVState, delta: kf.BlocksChanged, call: str, request: Any,
-                args: tuple[Any, ...] = (), *, zeroed: list[int] | None = None) -> None:
+                args: tuple[Any, ...] = (), *, zeroed: list[int] | None = None,
+                ahead: bool = False) -> None:
         """Make ``state`` current and hand ``delta``'s news to vLLM (events, metrics, zeroing).
 
         ``zeroed`` lists the new block ids to zero when not every block the
-        delta appended needs it.
+        delta appended needs it.  With takes owed, only a transition that may
+        come before them (``ahead``: :meth:`_ahead_of_takes`) is committed; any
+        other is a caller that forgot to pay them (a typed error, nothing changed).
         """
+        if self._takes and not ahead:
+            raise kf.KVFuncError(f"{call} would change the state before the owed takes")
         old, self._value = self._value, state
         if delta.is_empty:
             return

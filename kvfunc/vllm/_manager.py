@@ -49,11 +49,11 @@ class KVCacheManager(Allocation, Release):
         """The request's blocks per group, as ``KVCacheBlocks``."""
         blocks = self._handles.blocks
         return self.create_kv_cache_blocks(tuple(
-            blocks(g.table(request_id)) for g in self._value.groups))
+            blocks(g.table(request_id)) for g in self._tables.groups))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids per group (null entries are 0; caching owed changes none)."""
-        return tuple(list(g.table(request_id)) for g in self._value.groups)
+        return tuple(list(g.table(request_id)) for g in self._tables.groups)
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int
                                           ) -> tuple[list[int], ...]:

@@ -49,7 +49,8 @@ class Release(ManagerBase):
         """
         ids = [block.block_id for block in ordered_blocks if not block.is_null]
         if ids:
-            state, delta = kf.free_detached(self._value, {self._layout.keys[0]: ids})
+            state, delta = kf.free_detached(self._state if self._takes else self._value,
+                                            {self._layout.keys[0]: ids})
             self._commit(state, delta, "free_detached", None, (tuple(ids),))
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -88,7 +89,7 @@ class Release(ManagerBase):
                               num_prompt_tokens: int | None = None) -> None:
         """Free the blocks that slid out of the request's windows."""
         state = self._value
-        if request_id in self._owed:  # what it owes is cached first (before its window moves)
+        if self._takes or request_id in self._owed:  # what is owed is done first
             state = self._state
         if state.group(self._layout.keys[0]).row(request_id) is None:
             return

@@ -165,7 +165,8 @@ def _running(rid: str, prompt: list[int], computed: int) -> Any:
 
 def test_a_step_that_takes_and_fills_blocks_pays_a_digest_owed_by_another_first() -> None:
     """A owes the caching of a block whose digest C's next chunk also fills: C's step (it
-    takes blocks, every block it held cached already) pays A's first, so A's copy is the one
+    takes blocks, every block it held cached already) pays A's first, and is not owed itself
+    (A's later take, owed with A's caching, would come after it), so A's copy is the one
     cached first and the next lookup hits it, as vLLM's does."""
     shared = list(range(3 * BLOCK))
 
@@ -178,6 +179,7 @@ def test_a_step_that_takes_and_fills_blocks_pays_a_digest_owed_by_another_first(
         c.status, c.num_computed_tokens = RequestStatus.RUNNING, 2 * BLOCK
         a.num_computed_tokens = BLOCK + 1
         assert m.allocate_slots(a, BLOCK + 1) is not None  # takes a block
+        m.get_block_ids("a")  # a table read: what is owed is paid
         a.num_computed_tokens = 2 * BLOCK + 2
         assert m.allocate_slots(a, BLOCK - 2) is not None  # fills it: owed
         assert m.allocate_slots(c, 2 * BLOCK) is not None  # fills a copy of it
@@ -328,10 +330,11 @@ def test_restore_takes_only_a_snapshot_of_the_same_layout() -> None:
     assert m.state is state
 
 
-def test_the_owing_requests_next_step_caches_what_it_owes_without_paying_the_rest() -> None:
+def test_the_owing_requests_next_step_owes_its_take_with_what_it_owes() -> None:
     """A decode call that fills a block is owed; the request's next call, which takes a
-    block, caches it in its own transition (no payment of everything owed), and the answers
-    are those of a manager that does not owe and of vLLM's."""
+    block, is owed too, with that caching (one entry, nothing paid): it answers with the
+    block the queue hands out next, the free count counts it taken, and a read of the state
+    pays both.  The answers are those of a manager that does not owe and of vLLM's."""
     paid: list[int] = []
 
     def scenario(m: Any) -> None:
@@ -352,7 +355,156 @@ def test_the_owing_requests_next_step_caches_what_it_owes_without_paying_the_res
         a.append_output_token_ids(16)
         assert m.allocate_slots(a, 1).get_block_ids() == ([5],)  # takes a block
         if owing:
-            assert not inner._owed and not paid  # merged: cached by that step itself
-            assert inner._value.group(inner._value.manager_keys[0]).row("a").stored == 4
+            assert list(inner._owed) == ["a"] and inner._owed["a"][4] == [5] and not paid
+            assert inner._value.group(inner._value.manager_keys[0]).row("a").length == 4
+            row = inner.state.group(inner._value.manager_keys[0]).row("a")  # pays
+            assert paid and not inner._owed and (row.length, row.stored) == (5, 4)
 
     _both_ways((None,), scenario)
+
+
+def _started(m: Any, rid: str, prompt: list[int], hashed: bool = True) -> Any:
+    """A request whose prompt was computed in one call, its first token sampled (without
+    ``hashed``, a request vLLM hashes nothing of: nothing of it is ever cached)."""
+    req = _running(rid, prompt, 0)
+    if not hashed:
+        req._block_hasher = None
+        req.block_hashes.clear()
+    assert m.allocate_slots(req, len(prompt)) is not None
+    req.num_computed_tokens = len(prompt)
+    req.append_output_token_ids(7)
+    return req
+
+
+def _decode(m: Any, req: Any) -> Any:
+    """One decode step of ``req``: its new token's slot, then the token computed and the next
+    one sampled."""
+    out = m.allocate_slots(req, 1)
+    req.num_computed_tokens += 1
+    req.append_output_token_ids(7)
+    return out
+
+
+def _owing(m: Any) -> Any:
+    """The kvfunc manager inside a recording when it owes calls, else None."""
+    inner = m.manager
+    return inner if getattr(inner, "_defers", False) else None
+
+
+def test_decode_steps_that_take_blocks_are_owed_and_answer_the_blocks_they_will_take() -> None:
+    """Two running requests each need a new block: both calls are owed (no transition) and
+    answer the free queue's next blocks in call order, the free count counts them taken,
+    and a read of a table pays them first (its answer has the block)."""
+    def scenario(m: Any) -> None:
+        a = _started(m, "a", list(range(BLOCK)))
+        b = _started(m, "b", list(range(50, 50 + BLOCK)))
+        inner = _owing(m)
+        value = None if inner is None else inner._value
+        first, second = _decode(m, a).get_block_ids(), _decode(m, b).get_block_ids()
+        assert all(len(ids) == 1 for ids in first + second)  # one block in every group
+        if inner is not None:
+            assert inner._value is value and inner._takes == len(first) + len(second)
+        m.get_block_ids("a")
+        if inner is not None:
+            assert not inner._takes and inner._value is not value
+
+    _both_ways((None,), scenario)
+    _both_ways((None, 6), scenario)
+
+
+def test_a_window_step_that_lets_cached_blocks_go_comes_before_owed_takes() -> None:
+    """While A's take is owed, B's window lets a cached block go: B's transition is made at
+    once, before A's (the block joins the back of the free queue, behind A's), and nothing
+    is paid; every answer and free count is vLLM's."""
+    def scenario(m: Any) -> None:
+        a = _started(m, "a", list(range(BLOCK)))
+        b = _started(m, "b", list(range(50, 59)))
+        inner = _owing(m)
+        _decode(m, a)  # takes a block: owed
+        value = None if inner is None else inner._value
+        _decode(m, b)  # the window (6 tokens) lets b's first block go
+        if inner is not None:
+            assert inner._takes == len(inner._layout.keys) and inner._value is not value
+        m.get_computed_blocks(make_request("e", list(range(50, 59)), block_size=BLOCK))
+
+    for windows in ((None, 6), (6, None)):
+        _both_ways(windows, scenario)
+
+
+def test_a_window_step_that_lets_an_uncached_block_go_pays_the_owed_takes_first() -> None:
+    """While A's take is owed, B's window lets go a block that caches nothing: it would go
+    to the front of the free queue, where A's block is promised, so A's take is paid first."""
+    def scenario(m: Any) -> None:
+        a = _started(m, "a", list(range(BLOCK)))
+        b = _started(m, "b", list(range(50, 59)), hashed=False)
+        inner = _owing(m)
+        _decode(m, a)
+        _decode(m, b)
+        if inner is not None:
+            assert not inner._takes
+        assert _decode(m, _started(m, "c", list(range(90, 90 + BLOCK)))) is not None
+
+    for windows in ((None, 6), (6, None)):
+        _both_ways(windows, scenario)
+
+
+def test_recycling_and_deferred_frees_pay_the_owed_takes_first() -> None:
+    """``remove_skipped_blocks`` and ``block_pool.free_blocks`` put blocks in the free queue:
+    with a take owed, each pays it first (a change before the owed takes is refused)."""
+    def scenario(m: Any) -> None:
+        a = _started(m, "a", list(range(BLOCK)))
+        b = _started(m, "b", list(range(50, 59)), hashed=False)
+        c = _started(m, "c", list(range(90, 90 + 3 * BLOCK)))
+        inner = _owing(m)
+        _decode(m, a)
+        m.remove_skipped_blocks("b", 9)
+        if inner is not None:
+            assert not inner._takes
+        held = m.pop_blocks_for_free(c)
+        _decode(m, a)
+        _decode(m, a)
+        _decode(m, a)
+        _decode(m, a)  # a block again: owed
+        if inner is not None:
+            assert inner._takes == 2
+        m.block_pool.free_blocks(held)
+        if inner is not None:
+            assert not inner._takes
+        _decode(m, b)
+
+    _both_ways((None, 6), scenario)
+
+
+def test_a_change_before_the_owed_takes_or_a_take_off_its_promise_is_a_typed_error() -> None:
+    """Two checks that guard the owed takes: a transition committed while takes are owed
+    (one that does not come before them), and a payment whose takes are not the blocks
+    promised, are typed errors (a bug in the manager, not a wrong block handed on)."""
+    m = manager(events=False)
+    a = _started(m, "a", list(range(BLOCK)))
+    _decode(m, a)
+    assert m._takes == 1
+    state, delta = kf.free_request(m._value, "a")
+    with pytest.raises(kf.KVFuncError, match="before the owed takes"):
+        m._commit(state, delta, "free", a)
+    assert m._takes == 1
+    m._owed["a"] = (*m._owed["a"][:4], [m._owed["a"][4][0] + 1])
+    with pytest.raises(kf.KVFuncError, match="promised"):
+        m._pay_owed()
+
+
+def test_no_step_comes_before_owed_takes_while_priorities_order_the_free_queue() -> None:
+    """With retention priorities in the free queue (a restored state), a block let go joins
+    the back of its priority's segment, which may lie before a promised block: no step
+    comes before the owed takes then."""
+    m = manager((None, 6), events=False)
+    hashes = kf.BlockHashes.of(range(8), block_size=BLOCK)
+    s = kf.allocate_slots(m.state, "x", 0, 8, block_hashes=hashes).state
+    m.restore(kf.free_request(s, "x", priority=5)[0])
+    assert m._value.pools[0].queue.levels
+    a = _started(m, "a", list(range(BLOCK)))
+    b = _started(m, "b", list(range(50, 59)))
+    _decode(m, a)
+    assert m._takes and not m._ahead_of_takes(b, 9, 10)
+    _decode(m, b)
+    assert not m._takes
+    kf.check_invariants(m.state)
