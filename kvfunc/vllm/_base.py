@@ -164,7 +164,7 @@ class ManagerBase:
             if [b for b in result.delta.appended_block_ids if b] != promised:
                 raise kf.KVFuncError("the owed takes did not take the blocks they promised")
         self._owed, self._owed_keys, self._takes, self._cursor = {}, set(), 0, None
-        self._commit(result.state, result.delta, "cache_blocks", None,
+        self._commit(result.state, result.delta, "owed_calls", None,
                      tuple(e[0][:4] for e in owed.values()))
 
     def _owe(self, request: Any, computed: int, new: int, lookahead: int) -> None:

@@ -508,3 +508,79 @@ def test_no_step_comes_before_owed_takes_while_priorities_order_the_free_queue()
     _decode(m, b)
     assert not m._takes
     kf.check_invariants(m.state)
+
+
+def test_an_owed_take_that_caches_lists_its_digests_so_a_step_ahead_of_it_pays_first() -> None:
+    """A's owed take also fills a block (digest Y); C's window step, which could come
+    before the owed takes, fills a copy of Y: the take's owed digests include Y, so C's step
+    pays first and A's copy is the one cached first, the copy the next lookup hits."""
+    t = list(range(100, 112))
+
+    def scenario(m: Any) -> None:
+        c = _running("c", t, 0)
+        assert m.allocate_slots(c, 9) is not None
+        c.num_computed_tokens = 9
+        a = _running("a", t[:11], 0)
+        assert m.allocate_slots(a, 9) is not None
+        a.num_computed_tokens = 9
+        assert m.allocate_slots(a, 2) is not None  # the window lets a's first block go
+        a.num_computed_tokens = 11
+        a.append_output_token_ids(t[11])
+        m.allocate_slots(a, 1, num_lookahead_tokens=1)  # fills Y, takes a block: owed
+        inner = _owing(m)
+        if inner is not None:
+            assert inner._takes
+        m.allocate_slots(c, 3)  # fills a copy of Y; its window lets a cached block go
+        c.num_computed_tokens = 12
+        m.get_computed_blocks(make_request("e", [*t, 999], block_size=BLOCK))
+
+    for windows in ((None, 6), (6, None)):
+        _both_ways(windows, scenario)
+
+
+def test_a_step_pays_first_when_another_call_owes_a_digest_after_those_it_owes() -> None:
+    """A owes a block's caching and its next step fills Y, which C owes: the step does not
+    cache A's owed block in its own transition (that would cache A's copy of Y before C's,
+    which came first); everything owed is paid first, and the lookup hits C's copy."""
+    t = list(range(100, 112))
+
+    def scenario(m: Any) -> None:
+        c = _running("c", t[:11], 0)
+        assert m.allocate_slots(c, 11, num_lookahead_tokens=1) is not None
+        c.num_computed_tokens = 11
+        c.append_output_token_ids(t[11])
+        a = _running("a", t[:7], 0)
+        assert m.allocate_slots(a, 7, num_lookahead_tokens=9) is not None
+        a.num_computed_tokens = 7
+        a.append_output_token_ids(t[7])
+        m.allocate_slots(c, 1)  # C fills Y: owed
+        c.num_computed_tokens = 12
+        m.allocate_slots(a, 5)  # A fills its block 1: owed
+        a.num_computed_tokens = 12
+        for token in [*t[8:12], 555]:
+            a.append_output_token_ids(token)
+        m.allocate_slots(a, 1)  # A fills Y
+        a.num_computed_tokens = 13
+        m.get_computed_blocks(make_request("e", [*t, 999], block_size=BLOCK))
+
+    _both_ways((None,), scenario)
+
+
+def test_a_take_that_writes_below_its_owed_block_pays_it_first() -> None:
+    """After A owes a block's caching, its computed count goes back (as vLLM's scheduler
+    sets it after a failed KV load) and its next call takes a block: the take does not
+    carry what A owes (a rewritten block is not cached by that step), so it is paid first
+    and the next lookup hits it."""
+    t = list(range(100, 112))
+
+    def scenario(m: Any) -> None:
+        a = _running("a", t[:7], 0)
+        assert m.allocate_slots(a, 7) is not None
+        a.num_computed_tokens = 7
+        a.append_output_token_ids(t[7])
+        m.allocate_slots(a, 1)  # fills block 1: owed
+        a.num_computed_tokens = 3
+        m.allocate_slots(a, 2, num_lookahead_tokens=6)  # takes a block from below it
+        m.get_computed_blocks(make_request("e", [*t[:8], 999], block_size=BLOCK))
+
+    _both_ways((None,), scenario)
