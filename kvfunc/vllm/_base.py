@@ -290,8 +290,9 @@ class ManagerBase:
         self._owed_keys.difference_update(keys)
 
     def _state_for(self, request: Any, reads_digests: bool = True) -> kf.KVState:
-        """The state as a call about ``request`` sees it: the owed calls paid first when it
-        owes one, or (``reads_digests``) when its digests meet an owed one."""
+        """The state as a call about ``request`` sees it: the owed calls paid first when
+        takes are owed, when it owes one, or (``reads_digests``) when its digests meet an
+        owed one."""
         if self._owed and (self._takes or request.request_id in self._owed or (
                 reads_digests and not self._owed_keys.isdisjoint(request.block_hashes))):
             self._pay_owed()
@@ -329,7 +330,7 @@ class ManagerBase:
     @property
     def num_free_blocks(self) -> int:
         """Free blocks of the one pool (cached blocks waiting in the queue included; caching
-        owed changes none)."""
+        owed changes none; blocks promised to owed takes count as taken)."""
         return self._value.pools[0].num_free - self._takes
 
     @property
