@@ -319,37 +319,26 @@ def work_of(views: Sequence[Any], limit: int, rid: Any, computed: int, written: 
     return answer
 
 
-def growth(views: Sequence[Any], rid: Any, computed: int, total: int) -> list[int] | None:
-    """The blocks each group of ``views`` takes for a step of ``rid`` from ``computed`` tokens
-    to ``total`` when the step only grows its tables (and caches what completes), as the
-    fold's lane serves it; None when the rows say it does more: a block to let go, a write to
-    copy, or no row.  Ask :func:`work_of` first: its SLIDES bit must be clear (which also
-    rules out counts past the state's limit and the lane being off).
+def lane_plan(views: Sequence[Any], rid: Any, computed: int, total: int
+              ) -> list[tuple[int, bool]] | None:
+    """Per group of ``views``, what a step of ``rid`` from ``computed`` tokens to ``total``
+    does as the rows tell: ``(blocks it takes, whether a block it lets go caches nothing)``;
+    None when a group has no row or the step writes below ``cow_from`` (it copies).
+
+    For a caller that owes the step (``kvfunc.vllm``): a block let go that caches nothing
+    joins the front of a linked pool's free queue, one that caches something the back (with
+    no priority in use).  Ask :func:`work_of` first: past the state's limit, or with the
+    lane off, it answers every bit, and the plan means nothing then.
     """
     out = []
     for view in views:
         row = view.rows.get(rid)
-        if row is None or computed >= row[6] or not row[8] <= computed:
-            return None
-        out.append(blocks_needed(view.policy, True, row[9], total)[1] if total > row[5] else 0)
-    return out
-
-
-def gives_back_cached(views: Sequence[Any], rid: Any, computed: int, total: int) -> bool:
-    """Whether a step of ``rid`` from ``computed`` tokens to ``total`` takes no block and
-    lets go only blocks that cache something, as the rows tell: a free block it lets go then
-    joins the back of a linked pool's free queue (with no priority in use), never the front.
-    """
-    for view in views:
-        row = view.rows.get(rid)
         if row is None or not row[8] <= computed:
-            return False
-        if total > row[5] and blocks_needed(view.policy, True, row[9], total)[1]:
-            return False
-        if computed >= row[6] and slid_out(view.policy, view.traits[2], computed,
-                                           row[9]) > max(row[1], row[2]):
-            return False
-    return True
+            return None
+        out.append((blocks_needed(view.policy, True, row[9], total)[1] if total > row[5] else 0,
+                    computed >= row[6] and slid_out(view.policy, view.traits[2], computed,
+                                                    row[9]) > max(row[1], row[2])))
+    return out
 
 
 def _general(tr: Transient, e: Any, lookahead: int, mapping: Mapping[Any, Any] | None,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import kvfunc as kf
-from kvfunc.core._fold import CACHING, SLIDES, gives_back_cached, growth
+from kvfunc.core._fold import CACHING, SLIDES, lane_plan
 from kvfunc.core._pool import next_free
 from kvfunc.vllm._events import vllm_events
 from kvfunc.vllm._handles import Handles
@@ -190,14 +190,16 @@ class ManagerBase:
         calls are made in the order they came, so each pops exactly what was promised.
         """
         rid = request.request_id
-        needs = growth(state.groups, rid, computed, computed + new + lookahead)
-        if needs is None:
+        plan = lane_plan(state.groups, rid, computed, computed + new + lookahead)
+        if plan is None:  # no window lets a block go here (``work`` has no SLIDES)
             return None
+        needs = [need for need, _ in plan]
         n = sum(needs)
-        pool = state.pools[0]
-        if not n or len(state.pools) != 1 or pool.num_free - self._takes < n:
+        if not n:
             return None
-        ids = next_free(pool, self._cursor, n)
+        # the manager's one pool (``layout="shared"``); None: fewer blocks free past those
+        # promised, or a store not at hand
+        ids = next_free(state.pools[0], self._cursor, n)
         if ids is None:
             return None
         mine = self._owed.get(rid)
@@ -244,7 +246,9 @@ class ManagerBase:
         """Before a step of ``request`` from ``computed`` tokens (``work``: what its rows
         say is left to do), with something owed: True when the step caches what the request
         owes itself (call :meth:`_forgive` once it is accepted); else every owed call is
-        paid first if the request owes one or the step could cache a digest owed.
+        paid first if takes are owed and the step may not come before them
+        (:meth:`_ahead_of_takes`, ``total``: its tokens with the lookahead), if the request
+        owes one, or if the step could cache a digest owed.
 
         A step merges unless a window lets a block go (it could be an owed one), it writes
         below the owed blocks (a block copied on write is cached again), or a digest after
@@ -273,8 +277,10 @@ class ManagerBase:
         no block and every block it lets go joins the back of the free queue, behind the
         blocks promised, so every owed take still pops its own.  (A request that owes a take
         itself pays it first all the same: :meth:`_merges` never merges a take.)"""
-        return (not self._value.pools[0].queue.levels
-                and gives_back_cached(self._value.groups, request.request_id, computed, total))
+        if self._value.pools[0].queue.levels:
+            return False
+        plan = lane_plan(self._value.groups, request.request_id, computed, total)
+        return plan is not None and not any(need or front for need, front in plan)
 
     def _merges(self, request: Any, mine: tuple[Any, ...], computed: int) -> bool:
         """Whether a step of ``request`` from ``computed`` tokens may cache what the request

@@ -483,10 +483,11 @@ def test_a_change_before_the_owed_takes_or_a_take_off_its_promise_is_a_typed_err
     a = _started(m, "a", list(range(BLOCK)))
     _decode(m, a)
     assert m._takes == 1
-    state, delta = kf.free_request(m._value, "a")
+    value = m._value
+    state, delta = kf.free_request(value, "a")
     with pytest.raises(kf.KVFuncError, match="before the owed takes"):
         m._commit(state, delta, "free", a)
-    assert m._takes == 1
+    assert m._takes == 1 and m._value is value  # nothing changed
     m._owed["a"] = (*m._owed["a"][:4], [m._owed["a"][4][0] + 1])
     with pytest.raises(kf.KVFuncError, match="promised"):
         m._pay_owed()
@@ -584,3 +585,35 @@ def test_a_take_that_writes_below_its_owed_block_pays_it_first() -> None:
         m.get_computed_blocks(make_request("e", [*t[:8], 999], block_size=BLOCK))
 
     _both_ways((None,), scenario)
+
+
+def test_a_take_that_copies_a_shared_block_is_not_owed() -> None:
+    """B hit A's blocks; its computed count goes back below them and its next call takes
+    blocks: kvfunc copies the shared blocks it writes (vLLM writes them in place, so only
+    the two kvfunc managers are compared), which an owed take cannot promise, so the call
+    is made at once, and its answer and free count are those of a manager that does not
+    owe."""
+    def scenario(m: Any) -> None:
+        a = _running("a", list(range(12)), 0)
+        assert m.allocate_slots(a, 12) is not None
+        a.num_computed_tokens = 12
+        b = make_request("b", [*range(12), 77, 78], block_size=BLOCK)
+        blocks, hit, _ = m.get_computed_blocks(b)
+        assert hit == 12 and m.allocate_slots(b, 2, hit, blocks) is not None
+        b.status, b.num_computed_tokens = RequestStatus.RUNNING, 14
+        b.append_output_token_ids(5)
+        b.append_output_token_ids(6)
+        b.num_computed_tokens = 5
+        m.allocate_slots(b, 12)
+        assert not m.manager._takes
+        m.get_block_ids("b")
+
+    runs = []
+    for owing in (True, False):
+        m = manager(events=False)
+        m._defers = owing
+        rec = _Recording(m)
+        scenario(rec)
+        runs.append((rec.log, m.state))
+    assert runs[0] == runs[1]
+    assert runs[0][0][-1][1][0][1:3] != [2, 3]  # b's copies, not a's blocks
