@@ -69,8 +69,8 @@ class Transient:
                 self.pool(j)
 
     @classmethod
-    def open(cls, state: KVState, sink: DeltaBuilder) -> Transient:
-        """A working copy of ``state`` for one transition recording into ``sink``.
+    def open(cls, state: KVState, sink: DeltaBuilder | None) -> Transient:
+        """A working copy of ``state`` for one transition recording into ``sink`` (None: no delta).
 
         When ``state`` is the one the last transition of its lineage made, that
         transition's working copy goes on: its copies already read exactly

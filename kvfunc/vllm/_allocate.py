@@ -31,7 +31,7 @@ from typing import Any
 import kvfunc as kf
 from kvfunc.core._fold import CACHING, NOTHING, SLIDES, work_of
 from kvfunc.core._rows import row_tail
-from kvfunc.core._transitions import busy_slots
+from kvfunc.core._transitions import busy_slots, run_batch
 from kvfunc.vllm import _accounting, _inflight
 from kvfunc.vllm._base import ManagerBase
 from kvfunc.vllm._events import cached_block_events
@@ -160,7 +160,8 @@ class Allocation(ManagerBase):
             state = self._value
             if merged and hashes is None:
                 hashes = self._hashes.of(request)
-        result = busy_slots(state, rid, computed, num_new_tokens, num_lookahead_tokens, hashes)
+        result = busy_slots(state, rid, computed, num_new_tokens, num_lookahead_tokens, hashes,
+                            self._records)
         if merged and result.ok:
             self._forgive(rid)
         new_state = result.state
@@ -217,11 +218,12 @@ class Allocation(ManagerBase):
             self._commit(*kf.recycle_skipped_blocks(state, rid, processed),
                          "recycle_skipped_blocks", request, (processed,))
 
-    def _adopt(self, state: kf.KVState, new_state: kf.KVState, delta: kf.BlocksChanged,
+    def _adopt(self, state: kf.KVState, new_state: kf.KVState, delta: kf.BlocksChanged | None,
                request: Any, hit: kf.PrefixHit | None, args: tuple[int, int],
                external_end: int, skip_zeroing: tuple[int, ...]) -> Any:
-        """Commit an accepted allocation; the ``KVCacheBlocks`` of the blocks it added."""
-        if "A" not in delta.order:  # no block taken
+        """Commit an accepted allocation; the ``KVCacheBlocks`` of the blocks it added (read
+        from the rows: none when the delta, if built, appended none)."""
+        if delta is not None and "A" not in delta.order:  # no block taken
             self._commit(new_state, delta, "allocate_slots", request, args)
             return self.empty_kv_cache_blocks
         blocks, zeroed = self._new_blocks(state, new_state, request.request_id, hit,
@@ -231,35 +233,36 @@ class Allocation(ManagerBase):
 
     def _transition(self, rid: str, hit: kf.PrefixHit | None, local: int, processed: int,
                     computed: int, written: int, lookahead: int,
-                    hashes: kf.BlockHashes | None) -> tuple[kf.KVState, kf.BlocksChanged] | None:
-        """The allocation as one kvfunc transition, or None when it does not fit.
+                    hashes: kf.BlockHashes | None
+                    ) -> tuple[kf.KVState, kf.BlocksChanged | None] | None:
+        """The allocation as one kvfunc transition, or None when it does not fit (its delta
+        None when none is read: ``_records``).
 
         Usually one ``allocate_slots``.  Two cases are two entries of one
         ``allocate_batch`` instead: a connector's external tokens (vLLM
         gives every group its external blocks before any group its new
         ones), and tokens in flight under a window (``_inflight``).
         """
-        state = self._value
+        state, record = self._value, self._records
         if computed > local:  # external tokens: every group's, then every group's new ones
             start = hit.num_tokens if hit is not None else local
             entries = [kf.SlotRequest(rid, start, computed - start, 0, 0, None, hashes, hit),
                        kf.SlotRequest(rid, computed, written - computed, lookahead, 0, None,
                                       hashes)]
         elif hit is not None:
-            r = kf.allocate_slots(state, rid, hit.num_tokens, written - hit.num_tokens,
-                                  lookahead, block_hashes=hashes, prefix_hit=hit)
-            return (r.state, r.delta) if r.ok else None
+            entries = [kf.SlotRequest(rid, hit.num_tokens, written - hit.num_tokens, lookahead,
+                                      0, None, hashes, hit)]
         else:
             found = None
             if processed < computed:
                 found = _inflight.entries(state, self._layout, rid, processed, computed, written,
                                           lookahead, hashes)
             if found is None:
-                r = kf.allocate_slots(state, rid, computed, written - computed, lookahead,
-                                      block_hashes=hashes)
+                r = busy_slots(state, rid, computed, written - computed, lookahead, hashes,
+                               record)
                 return (r.state, r.delta) if r.ok else None
             entries = found
-        b = kf.allocate_batch(state, entries)
+        b = run_batch(state, entries, record)
         return None if b.refused else (b.state, b.delta)
 
     def _hit(self, request: Any, blocks: Any, tokens: int, external: int) -> kf.PrefixHit | None:

@@ -24,6 +24,8 @@ from typing import Any, cast
 import kvfunc as kf
 from kvfunc.core._fold import CACHING, SLIDES, lane_plan
 from kvfunc.core._pool import next_free
+from kvfunc.core._rows import row_tail
+from kvfunc.core._transitions import run_batch
 from kvfunc.vllm._events import vllm_events
 from kvfunc.vllm._handles import Handles
 from kvfunc.vllm._hashes import RequestHashes
@@ -93,9 +95,10 @@ class ManagerBase:
         self._windowed = any(w is not None for w in layout.windows)
         self._value = layout.initial_state()
         #: request id -> (its entry, the digests it may cache, how many digests it had, the
-        #: position of the first of them, the blocks it takes or None): decode calls whose
-        #: only work, caching the blocks that filled or taking blocks, is owed (_pay_owed)
-        self._owed: dict[Any, tuple[kf.SlotRequest, Any, int, int, list[int] | None]] = {}
+        #: position of the first of them, the blocks it takes per group or None): decode
+        #: calls whose only work, caching the blocks that filled or taking blocks, is owed
+        #: (_pay_owed)
+        self._owed: dict[Any, tuple[kf.SlotRequest, Any, int, int, list[list[int]] | None]] = {}
         self._owed_keys: set[bytes] = set()  # every owed call's digests (disjoint sets)
         self._takes = 0  # blocks the owed calls take
         self._cursor: int | None = None  # the last of them in the free queue
@@ -104,6 +107,10 @@ class ManagerBase:
         self._hashes = RequestHashes(layout.block_size)
         self._events: list[Any] = []
         self._zeroing = bool(kv_cache_config.needs_kv_cache_zeroing)
+        #: whether every transition's delta is read (events, metrics, zeroing); else only
+        #: with a journal (``_records``), and transitions build none
+        self._reads_deltas = (enable_kv_cache_events or metrics_collector is not None
+                              or self._zeroing)
         self._new_block_ids: list[int] = []
         self._journal: Journal | None = None
         manager = cast(ViewedManager, self)  # the full class (KVCacheManager) answers them
@@ -156,13 +163,11 @@ class ManagerBase:
         (:meth:`_ahead_of_takes`).
         """
         owed = self._owed
-        result = kf.allocate_batch(self._value, [e[0] for e in owed.values()])
+        result = run_batch(self._value, [e[0] for e in owed.values()], self._records)
         if result.refused:  # caching takes no block, and the takes were counted: never refused
             raise kf.KVFuncError(f"the calls owed by {list(result.refused)} were refused")
         if self._takes:
-            promised = [b for e in owed.values() if e[4] for b in e[4]]
-            if [b for b in result.delta.appended_block_ids if b] != promised:
-                raise kf.KVFuncError("the owed takes did not take the blocks they promised")
+            _check_takes(result.state, owed)
         self._owed, self._owed_keys, self._takes, self._cursor = {}, set(), 0, None
         self._commit(result.state, result.delta, "owed_calls", None,
                      tuple(e[0][:4] for e in owed.values()))
@@ -222,7 +227,7 @@ class ManagerBase:
             tables.append(ids[at:at + need])
             at += need
         self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None, hashes,
-                                                 None)), keys, known, first, ids)
+                                                 None)), keys, known, first, tables)
         self._owed_keys.update(keys)
         self._takes += n
         self._cursor = ids[-1]
@@ -345,18 +350,32 @@ class ManagerBase:
         total = self._layout.num_blocks - 1
         return 1.0 - self.num_free_blocks / total if total else 0.0
 
-    def _commit(self, state: kf.KVState, delta: kf.BlocksChanged, call: str, request: Any,
-                args: tuple[Any, ...] = (), *, zeroed: list[int] | None = None,
+    @property
+    def _records(self) -> bool:
+        """Whether transitions build their deltas: something reads them (KV events, a
+        metrics collector, zeroing, a journal).  Nothing else does, so without them a
+        transition builds none (``record=False``) and :meth:`_commit` takes None."""
+        return self._reads_deltas or self._journal is not None
+
+    def _commit(self, state: kf.KVState, delta: kf.BlocksChanged | None, call: str,
+                request: Any, args: tuple[Any, ...] = (), *, zeroed: list[int] | None = None,
                 ahead: bool = False) -> None:
         """Make ``state`` current and hand ``delta``'s news to vLLM (events, metrics, zeroing).
 
         ``zeroed`` lists the new block ids to zero when not every block the
-        delta appended needs it.  With takes owed, only a transition that may
-        come before them (``ahead``: :meth:`_ahead_of_takes`) is committed; any
-        other is a caller that forgot to pay them (a typed error, nothing changed).
+        delta appended needs it; ``delta`` is None for a transition that built
+        none (see :attr:`_records`).  With takes owed, only a transition that
+        may come before them (``ahead``: :meth:`_ahead_of_takes`) is committed;
+        any other is a caller that forgot to pay them (a typed error, nothing
+        changed), as is a transition without its delta while one is read.
         """
         if self._takes and not ahead:
             raise kf.KVFuncError(f"{call} would change the state before the owed takes")
+        if delta is None:
+            if self._records:
+                raise kf.KVFuncError(f"{call} built no delta, and its delta is read")
+            self._value = state
+            return
         old, self._value = self._value, state
         if delta.is_empty:
             return
@@ -399,6 +418,20 @@ class ManagerBase:
 
 
 _new = tuple.__new__
+
+
+def _check_takes(state: kf.KVState, owed: dict[Any, Any]) -> None:
+    """That each owed take's tables in ``state`` end with the blocks it promised, per group
+    (a typed error otherwise: never a wrong block handed on)."""
+    groups = state.groups
+    for rid, e in owed.items():
+        if e[4] is None:
+            continue
+        for g, table in zip(groups, e[4], strict=True):
+            row = g.rows[rid]
+            if row_tail(row, row[9] - len(table)) != table:
+                raise kf.KVFuncError(f"the owed take of {rid!r} did not take the blocks it "
+                                     "promised")
 
 
 def _caching_start(old: kf.KVState, new: kf.KVState, request: Any) -> Callable[[str, int], int]:

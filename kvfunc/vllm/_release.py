@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import kvfunc as kf
+from kvfunc.core._transitions import run_free
 from kvfunc.vllm._base import ManagerBase, logger
 
 __all__ = ["Release"]
@@ -30,7 +31,7 @@ class Release(ManagerBase):
         """Give every block of the request back (last block first)."""
         rid, state = request.request_id, self._state_for(request, False)  # what it owes first
         self._hashes.drop(rid)
-        self._commit(*kf.free_request(state, rid), "free", request)
+        self._commit(*run_free(state, rid, self._records), "free", request)
 
     def pop_blocks_for_free(self, request: Any) -> list[Any]:
         """Drop the request's tables; its blocks stay held until ``block_pool.free_blocks``."""

@@ -122,22 +122,30 @@ def _plain(value: Any) -> Any:
 def test_owing_calls_to_the_cache_changes_no_answer(windows: tuple[int | None, ...],
                                                     program: list[tuple]) -> None:
     """The same random program on a manager that owes calls which only cache a block, on one
-    that makes each its own transition and on vLLM's own: every call's answer and the free
-    count after each call are the same, and so are the two kvfunc states at the end, with
-    owed calls kept across calls (nothing reads the state between them)."""
+    that makes each its own transition, on an owing one with a journal (every transition
+    builds its delta; without one none is read, so none is built) and on vLLM's own: every
+    call's answer and the free count after each call are the same, and so are the kvfunc
+    states at the end, with owed calls kept across calls (nothing reads the state between
+    them); the journal's deltas replay to that state."""
     logs, states = [], []
-    for owing in (True, False):
+    deltas: list[kf.BlocksChanged] = []
+    for owing, journaled in ((True, False), (False, False), (True, True)):
         m = manager(windows, events=False)
         m._defers = owing
+        start = m._value
+        if journaled:
+            m._journal = lambda call, rid, args, delta: deltas.append(delta)
+        assert m._records is journaled
         player = Player(_Recording(m), windows)
         player.run(program)
         logs.append(player.manager.log)
         states.append(m.state)
         kf.check_invariants(m.state)
+    assert kf.replay(start, deltas) == states[2]
     theirs = Player(_Recording(manager(windows, events=False, cls=VllmManager)), windows)
     theirs.run(program)
-    assert logs[0] == logs[1] == theirs.manager.log
-    assert states[0] == states[1]
+    assert logs[0] == logs[1] == logs[2] == theirs.manager.log
+    assert states[0] == states[1] == states[2]
 
 
 def _both_ways(windows: tuple[int | None, ...], scenario: Any) -> list[Any]:
@@ -355,7 +363,7 @@ def test_the_owing_requests_next_step_owes_its_take_with_what_it_owes() -> None:
         a.append_output_token_ids(16)
         assert m.allocate_slots(a, 1).get_block_ids() == ([5],)  # takes a block
         if owing:
-            assert list(inner._owed) == ["a"] and inner._owed["a"][4] == [5] and not paid
+            assert list(inner._owed) == ["a"] and inner._owed["a"][4] == [[5]] and not paid
             assert inner._value.group(inner._value.manager_keys[0]).row("a").length == 4
             row = inner.state.group(inner._value.manager_keys[0]).row("a")  # pays
             assert paid and not inner._owed and (row.length, row.stored) == (5, 4)
@@ -389,6 +397,39 @@ def _owing(m: Any) -> Any:
     """The kvfunc manager inside a recording when it owes calls, else None."""
     inner = m.manager
     return inner if getattr(inner, "_defers", False) else None
+
+
+@pytest.mark.parametrize("windows", [(None,), (None, 2 * BLOCK)])
+def test_transitions_build_no_delta_unless_one_is_read(windows: tuple[int | None, ...],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without KV events, a metrics collector, zeroing or a journal nothing reads a delta: a
+    prefill, decode steps (owed or not, a window's slides), the payment of the owed calls
+    and a free build none (the random programs above check the states against a journaled
+    manager's); with a journal, or with KV events, every transition builds its delta."""
+    import kvfunc.core._transitions as transitions
+
+    built: list[int] = []
+
+    class Counting(transitions.DeltaBuilder):
+        def __init__(self) -> None:
+            built.append(1)
+            super().__init__()
+
+    monkeypatch.setattr(transitions, "DeltaBuilder", Counting)
+    for events, journal in ((False, None), (False, lambda *_: None), (True, None)):
+        m = manager(windows, events=events)
+        m._journal = journal
+        del built[:]
+        a = _started(m, "a", list(range(3 * BLOCK)))
+        b = _started(m, "b", list(range(100, 100 + BLOCK + 1)))
+        for _ in range(3 * BLOCK):
+            _decode(m, a)
+            _decode(m, b)
+        assert m.get_block_ids("a")  # pays what is owed
+        m.free(a)
+        m.free(b)
+        assert (len(built) >= 4) if events or journal else not built
+        kf.check_invariants(m.state)
 
 
 def test_decode_steps_that_take_blocks_are_owed_and_answer_the_blocks_they_will_take() -> None:
@@ -488,7 +529,12 @@ def test_a_change_before_the_owed_takes_or_a_take_off_its_promise_is_a_typed_err
     with pytest.raises(kf.KVFuncError, match="before the owed takes"):
         m._commit(state, delta, "free", a)
     assert m._takes == 1 and m._value is value  # nothing changed
-    m._owed["a"] = (*m._owed["a"][:4], [m._owed["a"][4][0] + 1])
+    m._journal = lambda *_: None
+    with pytest.raises(kf.KVFuncError, match="built no delta"):
+        m._commit(state, None, "free", a, ahead=True)  # a journal reads every delta
+    m._journal = None
+    assert m._takes == 1 and m._value is value
+    m._owed["a"] = (*m._owed["a"][:4], [[m._owed["a"][4][0][0] + 1]])
     with pytest.raises(kf.KVFuncError, match="promised"):
         m._pay_owed()
 
