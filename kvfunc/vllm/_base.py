@@ -24,7 +24,6 @@ from typing import Any, cast
 import kvfunc as kf
 from kvfunc.core._fold import CACHING, SLIDES, lane_plan
 from kvfunc.core._pool import next_free
-from kvfunc.core._rows import row_tail
 from kvfunc.core._transitions import run_batch
 from kvfunc.vllm._events import vllm_events
 from kvfunc.vllm._handles import Handles
@@ -231,8 +230,7 @@ class ManagerBase:
         self._owed_keys.update(keys)
         self._takes += n
         self._cursor = ids[-1]
-        blocks = self._handles.blocks
-        return self._blocks_type(tuple(blocks(t) for t in tables))
+        return self._blocks_type(tuple(map(self._handles.blocks, tables)))
 
     def _first_uncached(self, rid: Any, limit: int) -> int:
         """The first position, at most ``limit``, that some group of ``rid`` has not cached
@@ -429,7 +427,8 @@ def _check_takes(state: kf.KVState, owed: dict[Any, Any]) -> None:
             continue
         for g, table in zip(groups, e[4], strict=True):
             row = g.rows[rid]
-            if row_tail(row, row[9] - len(table)) != table:
+            end = row[9]  # a take's blocks end the table, past its null entries
+            if table and row[0][end - len(table):end] != table:
                 raise kf.KVFuncError(f"the owed take of {rid!r} did not take the blocks it "
                                      "promised")
 
