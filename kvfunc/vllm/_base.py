@@ -106,10 +106,6 @@ class ManagerBase:
         self._hashes = RequestHashes(layout.block_size)
         self._events: list[Any] = []
         self._zeroing = bool(kv_cache_config.needs_kv_cache_zeroing)
-        #: whether every transition's delta is read (events, metrics, zeroing); else only
-        #: with a journal (``_records``), and transitions build none
-        self._reads_deltas = (enable_kv_cache_events or metrics_collector is not None
-                              or self._zeroing)
         self._new_block_ids: list[int] = []
         self._journal: Journal | None = None
         manager = cast(ViewedManager, self)  # the full class (KVCacheManager) answers them
@@ -353,7 +349,8 @@ class ManagerBase:
         """Whether transitions build their deltas: something reads them (KV events, a
         metrics collector, zeroing, a journal).  Nothing else does, so without them a
         transition builds none (``record=False``) and :meth:`_commit` takes None."""
-        return self._reads_deltas or self._journal is not None
+        return (self.enable_kv_cache_events or self.metrics_collector is not None
+                or self._zeroing or self._journal is not None)
 
     def _commit(self, state: kf.KVState, delta: kf.BlocksChanged | None, call: str,
                 request: Any, args: tuple[Any, ...] = (), *, zeroed: list[int] | None = None,

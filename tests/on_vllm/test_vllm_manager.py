@@ -405,7 +405,8 @@ def test_transitions_build_no_delta_unless_one_is_read(windows: tuple[int | None
     """Without KV events, a metrics collector, zeroing or a journal nothing reads a delta: a
     prefill, decode steps (owed or not, a window's slides), the payment of the owed calls
     and a free build none (the random programs above check the states against a journaled
-    manager's); with a journal, or with KV events, every transition builds its delta."""
+    manager's); with a journal, KV events or a collector (even one set after the manager
+    was built), every transition builds its delta, and the collector hears of it."""
     import kvfunc.core._transitions as transitions
 
     built: list[int] = []
@@ -415,10 +416,19 @@ def test_transitions_build_no_delta_unless_one_is_read(windows: tuple[int | None
             built.append(1)
             super().__init__()
 
+    class Collector:  # vLLM's block residency metrics, as calls
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def __getattr__(self, name: str) -> Any:
+            return lambda *_: self.calls.append(name)
+
     monkeypatch.setattr(transitions, "DeltaBuilder", Counting)
-    for events, journal in ((False, None), (False, lambda *_: None), (True, None)):
+    for events, journal, collector in ((False, None, None), (False, lambda *_: None, None),
+                                       (True, None, None), (False, None, Collector())):
         m = manager(windows, events=events)
         m._journal = journal
+        m.metrics_collector = collector  # set after construction: read at each transition
         del built[:]
         a = _started(m, "a", list(range(3 * BLOCK)))
         b = _started(m, "b", list(range(100, 100 + BLOCK + 1)))
@@ -428,7 +438,8 @@ def test_transitions_build_no_delta_unless_one_is_read(windows: tuple[int | None
         assert m.get_block_ids("a")  # pays what is owed
         m.free(a)
         m.free(b)
-        assert (len(built) >= 4) if events or journal else not built
+        assert (len(built) >= 4) if events or journal or collector else not built
+        assert collector is None or "on_block_allocated" in collector.calls
         kf.check_invariants(m.state)
 
 
