@@ -117,7 +117,8 @@ def busy_slots(state: KVState, request_id: RequestId, computed_tokens: int, num_
                lookahead_tokens: int, block_hashes: BlockHashes | None,
                record: bool = True) -> Outcome:
     """:func:`allocate_slots` of a plain call (no reservation, keys or hit) without its quiet
-    check, for a caller whose rows already said the call has work (``_fold.work_of``).
+    check, for a caller whose rows usually said already that the call has work
+    (``_fold.work_of``; a call with none returns ``state`` all the same).
 
     ``state`` must be a :class:`KVState`; the entry is checked as the fold checks any, and a
     lookahead that is not an int takes :func:`allocate_slots`' checked path.  With ``record``
@@ -219,7 +220,8 @@ def allocate_batch(state: KVState, requests: Iterable[Any], *, lookahead_tokens:
 
 def run_batch(state: KVState, requests: Iterable[Any], record: bool) -> Outcome:
     """:func:`allocate_batch` of ``requests`` (no lookahead, no hash mapping), for a caller
-    inside kvfunc; with ``record`` False it builds no delta (the outcome's ``delta`` is None).
+    inside kvfunc; with ``record`` False it builds no delta (the outcome's ``delta`` is None,
+    EMPTY_DELTA when nothing changed, as :func:`busy_slots`').
 
     >>> from kvfunc.core import FullAttention, KVState
     >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
@@ -233,7 +235,8 @@ def run_batch(state: KVState, requests: Iterable[Any], record: bool) -> Outcome:
         raise InvalidTypeError(msg)
     sink = DeltaBuilder() if record else None
     new, refused = _batch(state, requests, None, 0, sink)
-    return _new(Outcome, (True, new, None if sink is None else sink.build(), refused))
+    return _new(Outcome, (True, new, EMPTY_DELTA if new is state
+                          else None if sink is None else sink.build(), refused))
 
 
 def _batch(state: KVState, requests: Iterable[Any], block_hashes: Any, lookahead: int,
@@ -320,7 +323,7 @@ def free_request(state: KVState, request_id: RequestId, *,
 def run_free(state: KVState, request_id: RequestId, record: bool
              ) -> tuple[KVState, BlocksChanged | None]:
     """:func:`free_request` of every group at priority 0, for a caller inside kvfunc; with
-    ``record`` False it builds no delta (None).
+    ``record`` False it builds no delta (None; EMPTY_DELTA when nothing changed).
 
     >>> from kvfunc.core import FullAttention, KVState
     >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
@@ -331,7 +334,8 @@ def run_free(state: KVState, request_id: RequestId, record: bool
     check_state(state)
     check_request_id(request_id)
     sink = DeltaBuilder() if record else None
-    return _freed(state, request_id, None, None, 0, sink), None if sink is None else sink.build()
+    new = _freed(state, request_id, None, None, 0, sink)
+    return new, EMPTY_DELTA if new is state else None if sink is None else sink.build()
 
 
 def _freed(state: KVState, request_id: RequestId, keys: frozenset[str] | None,

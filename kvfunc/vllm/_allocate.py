@@ -238,10 +238,11 @@ class Allocation(ManagerBase):
         """The allocation as one kvfunc transition, or None when it does not fit (its delta
         None when none is read: ``_records``).
 
-        Usually one ``allocate_slots``.  Two cases are two entries of one
-        ``allocate_batch`` instead: a connector's external tokens (vLLM
-        gives every group its external blocks before any group its new
-        ones), and tokens in flight under a window (``_inflight``).
+        Usually one ``busy_slots`` (an admission with a hit: one entry of a
+        ``run_batch``).  Two cases are two entries of one ``run_batch``
+        instead: a connector's external tokens (vLLM gives every group its
+        external blocks before any group its new ones), and tokens in flight
+        under a window (``_inflight``).
         """
         state, record = self._value, self._records
         if computed > local:  # external tokens: every group's, then every group's new ones

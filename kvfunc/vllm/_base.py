@@ -9,10 +9,11 @@ that filled, or taking the next blocks: :meth:`ManagerBase._pay_owed`).
 :meth:`ManagerBase._commit` is the one place the state changes: each
 scheduler call that changes the cache hands it one transition's state and
 delta, and it turns the delta into what vLLM reads (events, metrics, block
-ids to zero).  ``_state`` is the state with every owed call paid (what
-readers read); ``_value`` the last committed one, for what owed calls cannot
-change (the tables and rows of a request that owes no take; free counts
-less the blocks promised).
+ids to zero); with none of those read, nor a journal, transitions build no
+delta (``_records``) and every answer is read from the state.  ``_state`` is
+the state with every owed call paid (what readers read); ``_value`` the last
+committed one, for what owed calls cannot change (the tables and rows of a
+request that owes no take; free counts less the blocks promised).
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ class ManagerBase:
             raise kf.KVFuncError(f"the calls owed by {list(result.refused)} were refused")
         if self._takes:
             _check_takes(result.state, owed)
+            if result.state.pools[0].num_free != self._value.pools[0].num_free - self._takes:
+                raise kf.KVFuncError("the owed calls took other blocks than those promised")
         self._owed, self._owed_keys, self._takes, self._cursor = {}, set(), 0, None
         self._commit(result.state, result.delta, "owed_calls", None,
                      tuple(e[0][:4] for e in owed.values()))
