@@ -1,4 +1,5 @@
-"""What the compat facade and the shell build on: the core's working copies and folds.
+"""What the compat facade, the shell and the vLLM drop-in build on: the core's working
+copies, folds and transitions that may build no delta.
 
 Not part of the public API: these names may change with the core.  They are
 gathered here so that code outside the core imports one named module instead
@@ -13,6 +14,7 @@ from kvfunc.core._fold import fold, quiet, slot_entry
 from kvfunc.core._group import GroupCopy
 from kvfunc.core._pool_copy import PoolCopy
 from kvfunc.core._rows import Row, row_table
+from kvfunc.core._runs import busy_slots, run_batch, run_free
 from kvfunc.core._sizing import calculate_block_num_lazy
 from kvfunc.core._state import FrozenDict, group_cache_entries, usage_string
 from kvfunc.core._transient import Transient
@@ -21,7 +23,8 @@ from kvfunc.core._validate import mamba_entry, positive_field
 
 __all__ = [
     "DeltaBuilder", "FrozenDict", "GroupCopy", "PoolCopy", "Row", "Transient", "as_listed",
-    "calculate_block_num_lazy", "check_count", "check_manager_keys", "check_request_id",
-    "excerpt", "family_rows", "fold", "free_into", "group_cache_entries", "mamba_entry",
-    "positive_field", "quiet", "recycle_into", "row_table", "slot_entry", "usage_string",
+    "busy_slots", "calculate_block_num_lazy", "check_count", "check_manager_keys",
+    "check_request_id", "excerpt", "family_rows", "fold", "free_into", "group_cache_entries",
+    "mamba_entry", "positive_field", "quiet", "recycle_into", "row_table", "run_batch",
+    "run_free", "slot_entry", "usage_string",
 ]

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from kvfunc.core._prefix import PrefixHit
 
 __all__ = [
-    "AllocationResult", "BatchResult", "Outcome", "allocate_batch", "allocate_slots",
-    "busy_slots", "format_usage", "free_into", "free_request", "get_block_ids",
-    "num_free_blocks", "recycle_into", "recycle_skipped_blocks", "run_batch", "run_free",
+    "AllocationResult", "BatchResult", "allocate_batch", "allocate_slots", "format_usage",
+    "free_into", "free_request", "get_block_ids", "num_free_blocks", "recycle_into",
+    "recycle_skipped_blocks",
 ]
 
 
@@ -52,18 +52,6 @@ class BatchResult(NamedTuple):
     state: KVState
     delta: BlocksChanged
     refused: tuple[RequestId, ...]
-
-
-class Outcome(NamedTuple):
-    """A transition's outcome for a caller inside kvfunc that may ask for no delta
-    (:func:`busy_slots`, :func:`run_batch`, :func:`run_free`): ``delta`` is None when it was
-    not recorded; ``refused`` lists a batch's refused requests (a refused call: ``ok`` False).
-    """
-
-    ok: bool
-    state: KVState
-    delta: BlocksChanged | None
-    refused: tuple[RequestId, ...] = ()
 
 
 def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
@@ -111,41 +99,6 @@ def allocate_slots(state: KVState, request_id: RequestId, computed_tokens: int,
                         lookahead_tokens, block_hashes)
     return _settled(state, ((request_id, computed_tokens, num_new_tokens, lookahead_tokens,
                              reserved_tokens, manager_keys, block_hashes, prefix_hit),))
-
-
-def busy_slots(state: KVState, request_id: RequestId, computed_tokens: int, num_new_tokens: int,
-               lookahead_tokens: int, block_hashes: BlockHashes | None,
-               record: bool = True) -> Outcome:
-    """:func:`allocate_slots` of a plain call (no reservation, keys or hit) without its quiet
-    check, for a caller whose rows usually said already that the call has work
-    (``_fold.work_of``; a call with none returns ``state`` all the same).
-
-    ``state`` must be a :class:`KVState`; the entry is checked as the fold checks any, and a
-    lookahead that is not an int takes :func:`allocate_slots`' checked path.  With ``record``
-    False the transition builds no delta: the outcome's ``delta`` is None (EMPTY_DELTA when
-    nothing changed), for a caller that reads none.
-
-    >>> from kvfunc.core import FullAttention, KVState
-    >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
-    >>> r = allocate_slots(s, "a", 0, 20)
-    >>> busy_slots(s, "a", 0, 20, 0, None)[:3] == r
-    True
-    >>> quiet = busy_slots(s, "a", 0, 20, 0, None, record=False)
-    >>> quiet.delta, quiet.state.groups == r.state.groups
-    (None, True)
-    """
-    if lookahead_tokens.__class__ is not int:
-        r = allocate_slots(state, request_id, computed_tokens, num_new_tokens, lookahead_tokens,
-                           block_hashes=block_hashes)
-        return _new(Outcome, (r.ok, r.state, r.delta if record or r.state is state else None,
-                              ()))
-    sink = DeltaBuilder() if record else None
-    new = _folded(state, ((request_id, computed_tokens, num_new_tokens),), lookahead_tokens,
-                  block_hashes, sink)
-    if new is None:
-        return _new(Outcome, (False, state, EMPTY_DELTA, ()))
-    return _new(Outcome, (True, new, EMPTY_DELTA if new is state
-                          else None if sink is None else sink.build(), ()))
 
 
 def _settled(state: KVState, entries: tuple[Any, ...], lookahead: int = 0,
@@ -216,27 +169,6 @@ def allocate_batch(state: KVState, requests: Iterable[Any], *, lookahead_tokens:
     sink = DeltaBuilder()
     new, refused = _batch(state, requests, block_hashes, lookahead_tokens, sink)
     return BatchResult(new, sink.build(), refused)
-
-
-def run_batch(state: KVState, requests: Iterable[Any], record: bool) -> Outcome:
-    """:func:`allocate_batch` of ``requests`` (no lookahead, no hash mapping), for a caller
-    inside kvfunc; with ``record`` False it builds no delta (the outcome's ``delta`` is None,
-    EMPTY_DELTA when nothing changed, as :func:`busy_slots`').
-
-    >>> from kvfunc.core import FullAttention, KVState
-    >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
-    >>> r = run_batch(s, [("a", 0, 20), ("b", 0, 40)], False)
-    >>> r.delta, r.refused, get_block_ids(r.state, "a")
-    (None, ('b',), {'full': (1, 2)})
-    """
-    check_state(state)
-    if not isinstance(requests, Iterable):
-        msg = f"requests must be an iterable of step entries, got {type(requests).__name__}"
-        raise InvalidTypeError(msg)
-    sink = DeltaBuilder() if record else None
-    new, refused = _batch(state, requests, None, 0, sink)
-    return _new(Outcome, (True, new, EMPTY_DELTA if new is state
-                          else None if sink is None else sink.build(), refused))
 
 
 def _batch(state: KVState, requests: Iterable[Any], block_hashes: Any, lookahead: int,
@@ -318,24 +250,6 @@ def free_request(state: KVState, request_id: RequestId, *,
     check_priority(priority)
     sink = DeltaBuilder()
     return _freed(state, request_id, keys, block_hashes, priority, sink), sink.build()
-
-
-def run_free(state: KVState, request_id: RequestId, record: bool
-             ) -> tuple[KVState, BlocksChanged | None]:
-    """:func:`free_request` of every group at priority 0, for a caller inside kvfunc; with
-    ``record`` False it builds no delta (None; EMPTY_DELTA when nothing changed).
-
-    >>> from kvfunc.core import FullAttention, KVState
-    >>> s = KVState.create({"full": FullAttention(num_blocks=4, block_size=16)}, 1024)
-    >>> s2, d = run_free(allocate_slots(s, "a", 0, 20).state, "a", False)
-    >>> d, num_free_blocks(s2, "full")
-    (None, 3)
-    """
-    check_state(state)
-    check_request_id(request_id)
-    sink = DeltaBuilder() if record else None
-    new = _freed(state, request_id, None, None, 0, sink)
-    return new, EMPTY_DELTA if new is state else None if sink is None else sink.build()
 
 
 def _freed(state: KVState, request_id: RequestId, keys: frozenset[str] | None,

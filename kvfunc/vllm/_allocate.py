@@ -30,8 +30,8 @@ from typing import Any
 
 import kvfunc as kf
 from kvfunc.core._fold import CACHING, NOTHING, SLIDES, work_of
+from kvfunc.core._internal import busy_slots, run_batch
 from kvfunc.core._rows import row_tail
-from kvfunc.core._transitions import busy_slots, run_batch
 from kvfunc.vllm import _accounting, _inflight
 from kvfunc.vllm._base import ManagerBase
 from kvfunc.vllm._events import cached_block_events

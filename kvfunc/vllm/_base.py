@@ -24,8 +24,8 @@ from typing import Any, cast
 
 import kvfunc as kf
 from kvfunc.core._fold import CACHING, SLIDES, lane_plan
+from kvfunc.core._internal import run_batch
 from kvfunc.core._pool import next_free
-from kvfunc.core._transitions import run_batch
 from kvfunc.vllm._events import vllm_events
 from kvfunc.vllm._handles import Handles
 from kvfunc.vllm._hashes import RequestHashes

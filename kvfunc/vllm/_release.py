@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import kvfunc as kf
-from kvfunc.core._transitions import run_free
+from kvfunc.core._internal import run_free
 from kvfunc.vllm._base import ManagerBase, logger
 
 __all__ = ["Release"]

@@ -407,6 +407,7 @@ def test_transitions_build_no_delta_unless_one_is_read(windows: tuple[int | None
     and a free build none (the random programs above check the states against a journaled
     manager's); with a journal, KV events or a collector (even one set after the manager
     was built), every transition builds its delta, and the collector hears of it."""
+    import kvfunc.core._runs as runs
     import kvfunc.core._transitions as transitions
 
     built: list[int] = []
@@ -424,6 +425,7 @@ def test_transitions_build_no_delta_unless_one_is_read(windows: tuple[int | None
             return lambda *_: self.calls.append(name)
 
     monkeypatch.setattr(transitions, "DeltaBuilder", Counting)
+    monkeypatch.setattr(runs, "DeltaBuilder", Counting)
     for events, journal, collector in ((False, None, None), (False, lambda *_: None, None),
                                        (True, None, None), (False, None, Collector())):
         m = manager(windows, events=events)
