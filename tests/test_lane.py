@@ -403,8 +403,10 @@ def test_work_of_tells_a_step_with_nothing_to_do_or_only_caching(seed: int,
 def test_busy_slots_equals_allocate_slots_and_checks_the_lookahead(layout: str) -> None:
     """The vLLM manager's transition for a call its rows call busy (no quiet check first)
     gives what ``allocate_slots`` gives, on random decode and prefill calls of a full +
-    window model with caching on; a lookahead that is not an int is the same typed error."""
-    from kvfunc.core._transitions import busy_slots
+    window model with caching on, and the same state when it records no delta (as does
+    ``run_free`` against ``free_request``); a lookahead that is not an int is the same typed
+    error."""
+    from kvfunc.core._internal import busy_slots, run_free
 
     groups = {"full": kf.FullAttention(num_blocks=24, block_size=4),
               "swa": kf.SlidingWindow(num_blocks=24, block_size=4, sliding_window=8)}
@@ -420,10 +422,15 @@ def test_busy_slots_equals_allocate_slots_and_checks_the_lookahead(layout: str) 
         got = busy_slots(state, rid, done[rid], new, la, h)
         assert got.ok == want.ok and got.delta == want.delta
         assert state_snapshot(got.state) == state_snapshot(want.state)
+        unrecorded = busy_slots(state, rid, done[rid], new, la, h, record=False)
+        assert unrecorded.ok == want.ok and (unrecorded.delta is None) is (want.state is not state)
+        assert state_snapshot(unrecorded.state) == state_snapshot(want.state)
         if want.ok:
             state, done[rid] = want.state, min(done[rid] + new, 60)
             if done[rid] == 60:
+                freed, delta = run_free(state, rid, False)
                 state, done[rid] = kf.free_request(state, rid)[0], 0
+                assert delta is None and state_snapshot(freed) == state_snapshot(state)
         refused += not want.ok
     assert refused, "no call was refused: the refusal path is not covered"
     for la in (True, 2.0, None):
