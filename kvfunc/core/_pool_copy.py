@@ -245,29 +245,21 @@ class PoolCopy:
     def store_run(self, blocks: Sequence[int], keys: Sequence[bytes]) -> None:
         """Cache each block under its key (none of them holds anything cached)."""
         index, hash_of, log, n = self.by_key, self.hash_of, self.log, len(blocks)
-        if n == 1:  # the common decode step: one block fills
-            b, key = blocks[0], keys[0]
-            found = index.get(key, MISSING)
-            log.append((STORED, key, found, b))
-            index[key] = (b if found is MISSING else (found, b) if type(found) is int
-                          else (*found, b))
-            hash_of[b] = key
-            self.num_cached += 1
-            return
         if n > 1 and len(set(keys)) == n and index.keys().isdisjoint(keys):
             keys, blocks = kept(keys), kept(blocks)
             log.append((CACHED, keys, blocks))  # none cached yet: one entry, one update
             self.queue.bulk += n - 1
             index.update(zip(keys, blocks, strict=True))
-        else:
+            for b, key in zip(blocks, keys, strict=True):
+                hash_of[b] = key
+        else:  # one block (the common decode step), or keys cached already or repeated
             get = index.get
             for b, key in zip(blocks, keys, strict=True):
                 found = get(key, MISSING)
                 log.append((STORED, key, found, b))
                 index[key] = (b if found is MISSING else (found, b) if type(found) is int
                               else (*found, b))
-        for b, key in zip(blocks, keys, strict=True):
-            hash_of[b] = key
+                hash_of[b] = key
         self.num_cached += n
 
     def _evict_run(self, blocks: Sequence[int]) -> None:

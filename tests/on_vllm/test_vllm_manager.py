@@ -426,11 +426,14 @@ def test_transitions_build_no_delta_unless_one_is_read(windows: tuple[int | None
 
     monkeypatch.setattr(transitions, "DeltaBuilder", Counting)
     monkeypatch.setattr(runs, "DeltaBuilder", Counting)
-    for events, journal, collector in ((False, None, None), (False, lambda *_: None, None),
-                                       (True, None, None), (False, None, Collector())):
+    journaled: list[kf.BlocksChanged] = []
+    for events, journal, collector in (
+            (False, None, None), (False, lambda *e: journaled.append(e[3]), None),
+            (True, None, None), (False, None, Collector())):
         m = manager(windows, events=events)
         m._journal = journal
         m.metrics_collector = collector  # set after construction: read at each transition
+        start = m._value
         del built[:]
         a = _started(m, "a", list(range(3 * BLOCK)))
         b = _started(m, "b", list(range(100, 100 + BLOCK + 1)))
@@ -442,6 +445,8 @@ def test_transitions_build_no_delta_unless_one_is_read(windows: tuple[int | None
         m.free(b)
         assert (len(built) >= 4) if events or journal or collector else not built
         assert collector is None or "on_block_allocated" in collector.calls
+        if journal is not None:  # every transition's delta, none left out: they replay
+            assert kf.replay(start, journaled) == m.state
         kf.check_invariants(m.state)
 
 
