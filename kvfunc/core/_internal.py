@@ -14,7 +14,7 @@ from kvfunc.core._fold import fold, quiet, slot_entry
 from kvfunc.core._group import GroupCopy
 from kvfunc.core._pool_copy import PoolCopy
 from kvfunc.core._rows import Row, row_table
-from kvfunc.core._runs import busy_slots, run_batch, run_free
+from kvfunc.core._runs import busy_slots, run_batch, run_free, run_owed
 from kvfunc.core._sizing import calculate_block_num_lazy
 from kvfunc.core._state import FrozenDict, group_cache_entries, usage_string
 from kvfunc.core._transient import Transient
@@ -26,5 +26,5 @@ __all__ = [
     "busy_slots", "calculate_block_num_lazy", "check_count", "check_manager_keys",
     "check_request_id", "excerpt", "family_rows", "fold", "free_into", "group_cache_entries",
     "mamba_entry", "positive_field", "quiet", "recycle_into", "row_table", "run_batch",
-    "run_free", "slot_entry", "usage_string",
+    "run_free", "run_owed", "slot_entry", "usage_string",
 ]

@@ -15,13 +15,14 @@ from kvfunc.core._builder import DeltaBuilder
 from kvfunc.core._checks import check_request_id
 from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged
 from kvfunc.core._errors import InvalidTypeError
+from kvfunc.core._owed import pay_into
 from kvfunc.core._state import KVState, RequestId, check_state
-from kvfunc.core._transitions import _batch, _folded, _freed, allocate_slots
+from kvfunc.core._transitions import _batch, _folded, _freed, _served, allocate_slots
 
 if TYPE_CHECKING:
     from kvfunc.core._hashing import BlockHashes
 
-__all__ = ["Outcome", "busy_slots", "run_batch", "run_free"]
+__all__ = ["Outcome", "busy_slots", "run_batch", "run_free", "run_owed"]
 
 
 class Outcome(NamedTuple):
@@ -88,6 +89,31 @@ def run_batch(state: KVState, requests: Iterable[Any], record: bool) -> Outcome:
         raise InvalidTypeError(msg)
     sink = DeltaBuilder() if record else None
     new, refused = _batch(state, requests, None, 0, sink)
+    return _new(Outcome, (True, new, EMPTY_DELTA if new is state
+                          else None if sink is None else sink.build(), refused))
+
+
+def run_owed(state: KVState, owed: Iterable[tuple[Any, Any]], record: bool) -> Outcome:
+    """:func:`run_batch` of calls owed by ``kvfunc.vllm``, each ``(request, tables)``:
+    ``tables`` None for a call that only caches what it fills, else per group the blocks
+    promised to a call that only takes (see :mod:`kvfunc.core._owed`).
+
+    The calls whose rows agree skip the step's planning; the others take the fold.  The
+    outcome is :func:`run_batch`'s of the requests, ``delta`` as there.
+
+    >>> from kvfunc.core import FullAttention, KVState, SlotRequest, get_block_ids
+    >>> s = KVState.create({"full": FullAttention(num_blocks=6, block_size=4)}, 1024)
+    >>> s = run_batch(s, [("a", 0, 4), ("b", 0, 4)], False).state
+    >>> r = run_owed(s, [(SlotRequest("a", 4, 1), [[3]]), (SlotRequest("b", 4, 1), [[4]])], False)
+    >>> r.delta, get_block_ids(r.state, "a"), get_block_ids(r.state, "b")
+    (None, {'full': (1, 3)}, {'full': (2, 4)})
+    """
+    check_state(state)
+    if not isinstance(owed, Iterable):
+        raise InvalidTypeError(f"owed must be an iterable of (request, tables), got "
+                               f"{type(owed).__name__}")
+    sink = DeltaBuilder() if record else None
+    new, refused = _served(state, sink, pay_into, owed)
     return _new(Outcome, (True, new, EMPTY_DELTA if new is state
                           else None if sink is None else sink.build(), refused))
 

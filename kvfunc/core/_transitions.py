@@ -174,9 +174,16 @@ def allocate_batch(state: KVState, requests: Iterable[Any], *, lookahead_tokens:
 def _batch(state: KVState, requests: Iterable[Any], block_hashes: Any, lookahead: int,
            sink: DeltaBuilder | None) -> tuple[KVState, tuple[RequestId, ...]]:
     """The fold of a step's ``requests`` on a working copy of ``state``, settled."""
+    return _served(state, sink, fold, requests, block_hashes, lookahead)
+
+
+def _served(state: KVState, sink: DeltaBuilder | None, serve: Any, *args: Any
+            ) -> tuple[KVState, tuple[RequestId, ...]]:
+    """``serve(tr, *args)`` on a working copy ``tr`` of ``state`` (it returns the refused
+    ids), settled; the copy given back untouched if it raised."""
     tr = Transient.open(state, sink)
     try:
-        refused = fold(tr, requests, block_hashes, lookahead)
+        refused = serve(tr, *args)
     except BaseException:
         tr.abort()
         raise

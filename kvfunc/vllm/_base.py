@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import kvfunc as kf
 from kvfunc.core._fold import CACHING, SLIDES, lane_plan
-from kvfunc.core._internal import run_batch
+from kvfunc.core._internal import run_owed
 from kvfunc.core._pool import next_free
 from kvfunc.vllm._events import vllm_events
 from kvfunc.vllm._handles import Handles
@@ -152,20 +152,19 @@ class ManagerBase:
         A decode call whose only work is taking blocks (and caching what
         fills) is owed too (:meth:`_owe_take`): it answers with the blocks the
         free queue hands out next after those promised to earlier owed calls,
-        which this one transition, making the calls in the order they came,
-        takes; it checks that each took what it promised.  While takes are
+        which this one transition (``run_owed``), making the calls in the order they
+        came, takes; it checks that each took what it promised.  While takes are
         owed every read of the tables or the free queue, and every other
         change, pays first, but a step that may come before them
         (:meth:`_ahead_of_takes`).
         """
         owed = self._owed
-        result = run_batch(self._value, [e[0] for e in owed.values()], self._records)
+        result = run_owed(self._value, [(e[0], e[4]) for e in owed.values()], self._records)
         if result.refused:  # caching takes no block, and the takes were counted: never refused
             raise kf.KVFuncError(f"the calls owed by {list(result.refused)} were refused")
-        if self._takes:
-            _check_takes(result.state, owed)
-            if result.state.pools[0].num_free != self._value.pools[0].num_free - self._takes:
-                raise kf.KVFuncError("the owed calls took other blocks than those promised")
+        if (self._takes and result.state.pools[0].num_free
+                != self._value.pools[0].num_free - self._takes):  # (each take's are checked)
+            raise kf.KVFuncError("the owed calls took other blocks than those promised")
         self._owed, self._owed_keys, self._takes, self._cursor = {}, set(), 0, None
         self._commit(result.state, result.delta, "owed_calls", None,
                      tuple(e[0][:4] for e in owed.values()))
@@ -224,8 +223,9 @@ class ManagerBase:
         for need in needs:
             tables.append(ids[at:at + need])
             at += need
-        self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None, hashes,
-                                                 None)), keys, known, first, tables)
+        self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None,
+                                                 hashes if keys else None, None)),
+                           keys, known, first, tables)  # no digest to cache: no hashes
         self._owed_keys.update(keys)
         self._takes += n
         self._cursor = ids[-1]
@@ -416,21 +416,6 @@ class ManagerBase:
 
 
 _new = tuple.__new__
-
-
-def _check_takes(state: kf.KVState, owed: dict[Any, Any]) -> None:
-    """That each owed take's tables in ``state`` end with the blocks it promised, per group
-    (a typed error otherwise: never a wrong block handed on)."""
-    groups = state.groups
-    for rid, e in owed.items():
-        if e[4] is None:
-            continue
-        for g, table in zip(groups, e[4], strict=True):
-            row = g.rows[rid]
-            end = row[9]  # a take's blocks end the table, past its null entries
-            if table and row[0][end - len(table):end] != table:
-                raise kf.KVFuncError(f"the owed take of {rid!r} did not take the blocks it "
-                                     "promised")
 
 
 def _caching_start(old: kf.KVState, new: kf.KVState, request: Any) -> Callable[[str, int], int]:
