@@ -288,7 +288,7 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
     nothing slid out) goes straight to :func:`bind_rows`.
     False (``tr`` untouched) when a pool lacks the blocks.
     """
-    views, plans, grows, still = tr.views, [], True, True
+    views, plans, grows, still, takes = tr.views, [], True, True, False
     for view, row, slides in work:
         i = 0
         while views[i] is not view:
@@ -302,11 +302,12 @@ def lean_step(tr: Transient, request_id: Any, work: list[tuple[Any, Row, bool]],
             return _grow_one(tr, i, request_id, row, need, store, computed, written, hashes)
         grows = grows and need > 0 and not store and upto <= row[1]
         still = still and not need and upto <= row[1]
+        takes = takes or need > 0
         plans.append(_new(Plan, (i, row, None, 0, upto, 0, need, (), 0, store)))
     if still:  # every group only caches what completes: nothing to take, nothing recycled
         bind_rows(tr, request_id, [(p, p[1]) for p in plans], computed, written, hashes)
         return True
-    if not has_room(tr, plans, 0):
+    if takes and not has_room(tr, plans, 0):  # (recycling alone always fits)
         return False
     if grows:  # every group only grows: the common decode step, as :func:`step` serves it
         for p in plans:
