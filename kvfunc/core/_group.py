@@ -235,10 +235,13 @@ class GroupCopy:
         The row is built once, with its quiet limits, instead of a
         provisional row that ``put`` takes apart again.
         """
-        ids = self.pool.take(need)
+        self.append(request_id, row, self.pool.take(need))
+
+    def append(self, request_id: Any, row: Row, ids: list[int]) -> None:
+        """:meth:`extend` by blocks ``ids`` the caller just took from the pool (records A)."""
         sink = self.sink
         if sink is not None:
-            if need == 1:
+            if len(ids) == 1:
                 sink.rows.append((self.key, request_id, ids[0]))
                 sink.codes.append("A")
             else:
@@ -246,7 +249,7 @@ class GroupCopy:
         held, nulls, stored, shared, seq = row[:5]
         length = row[9]
         held = append_ids(held, length, ids)
-        length += need
+        length += len(ids)
         room, slide, fill, cow_from = row_limits(self.policy, self.traits, self.caching, length,
                                                  nulls, stored, shared)
         self.rows[request_id] = _new(Row, (held, nulls, stored, shared, seq, room, slide, fill,

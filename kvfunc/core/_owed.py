@@ -47,36 +47,112 @@ def pay_into(tr: Transient, owed: Iterable[tuple[Any, Sequence[Sequence[int]] | 
     was promised (the free queue's next ones), in group order.  A take that took other
     blocks than those promised raises :class:`~kvfunc.KVFuncError` (the caller's promise
     was wrong: ``tr`` must be aborted).
+
+    When every call is served directly, nothing is recorded and one pool holds every
+    group, the takes pop their blocks in one run (:func:`_together`): the same blocks, in
+    the same order, as one pop per call (caching a block the run evicts a copy of gives
+    the same index either way: a store adds its block, an eviction drops its own).
     """
+    owed = list(owed)
+    if tr.sink is None and len(tr.pools) == 1 and _together(tr, owed):
+        return []
     refused = []
     for e, tables in owed:
-        if _served(tr, e, tables):
-            continue
-        if fold(tr, (e,)):
-            refused.append(e[0])
-        elif tables is not None:
-            _check_promised(tr, e[0], tables)
+        plan = _plan(tr, e, tables)
+        if plan is None or not _serve(tr, plan):
+            if fold(tr, (e,)):
+                refused.append(e[0])
+            elif tables is not None:
+                _check_promised(tr, e[0], tables)
     return refused
 
 
-def _served(tr: Transient, e: Any, tables: Sequence[Sequence[int]] | None) -> bool:
-    """Whether the owed call ``e`` was a take or a caching call that the rows agree with,
-    now served (else False, ``tr`` untouched: the fold serves it)."""
+def _plan(tr: Transient, e: Any, tables: Sequence[Sequence[int]] | None) -> Any:
+    """What serving the owed call ``e`` directly does, as its rows tell: ``(rid, rows,
+    tables)`` for a take, ``(rid, rows, computed, written, hashes)`` for a caching call; None
+    when the rows or its form say otherwise (the fold serves it).  Reads ``tr`` only."""
     if type(e) is not SlotRequest:
-        return False
+        return None
     rid, computed, new, la, reserved, keys, hashes, hit = e
     t = type(rid)
     if not ((t is int or t is str) and type(computed) is int is type(new) is type(la)
             and (computed | new | la) >= 0 and not reserved and keys is hit is None):
-        return False  # the fold's checks and clamps for any other entry
+        return None  # the fold's checks and clamps for any other entry
     written = computed + new
     total = written + la
-    if total > tr.max_model_len:
+    views = tr.views
+    if total > tr.max_model_len or (tables is not None and (
+            hashes is not None or len(tables) != len(views))):
+        return None
+    if tables is None and not (type(hashes) is BlockHashes and hashes.block_size in tr.checked):
+        return None
+    rows = []
+    for i, view in enumerate(views):
+        row = view.rows.get(rid)
+        if row is None or not row[8] <= computed < row[6]:
+            return None  # not registered, a write to copy, or a block slides out
+        if tables is None:
+            if total > row[5] or not view.traits[1]:
+                return None  # a block to take, or a state to save
+        elif len(tables[i]) != (blocks_needed(view.policy, True, row[9], total)[1]
+                                if total > row[5] else 0):
+            return None
+        rows.append(row)
+    return (rid, rows, tables) if tables is not None else (rid, rows, computed, written, hashes)
+
+
+def _serve(tr: Transient, plan: Any) -> bool:
+    """Serve one planned call (False, ``tr`` untouched, when its takes do not fit)."""
+    if len(plan) == 5:
+        _cache(tr, *plan)
+        return True
+    rid, rows, tables = plan
+    want: dict[int, int] = {}
+    for i, table in enumerate(tables):
+        if table:
+            j = tr.group_pool[i]
+            want[j] = want.get(j, 0) + len(table)
+    pools = tr.pools
+    if not all(n <= pools[j].queue.count for j, n in want.items()):
         return False
-    if tables is not None:
-        return hashes is None and _take(tr, rid, computed, total, tables)
-    return (type(hashes) is BlockHashes and hashes.block_size in tr.checked
-            and _cache(tr, rid, computed, written, total, hashes))
+    for i, table in enumerate(tables):
+        if table:
+            tr.copy(i).extend(rid, rows[i], len(table))
+    _check_promised(tr, rid, tables)
+    return True
+
+
+def _together(tr: Transient, owed: list[tuple[Any, Any]]) -> bool:
+    """Serve calls of distinct requests that all plan and whose takes fit, every take's
+    blocks popped in one run (the promises checked against it) and handed out in order,
+    then every caching call; False (``tr`` untouched) otherwise."""
+    plans = []
+    for e, tables in owed:
+        plan = _plan(tr, e, tables)
+        if plan is None:
+            return False
+        plans.append(plan)
+    promised = [b for plan in plans if len(plan) == 3 for table in plan[2] for b in table]
+    if (len({plan[0] for plan in plans}) < len(plans)
+            or len(promised) > tr.pools[0].queue.count):
+        return False  # a request twice (planned from rows it changes), or a refusal
+    if promised:
+        taken = tr.pool(0).take(len(promised))
+        if taken != promised:
+            raise KVFuncError("the owed takes did not take the blocks they promised")
+        at = 0
+        for plan in plans:
+            if len(plan) == 3:
+                rid, rows, tables = plan
+                for i, table in enumerate(tables):
+                    if table:
+                        n = len(table)
+                        tr.copy(i).append(rid, rows[i], taken[at:at + n])
+                        at += n
+    for plan in plans:
+        if len(plan) == 5:
+            _cache(tr, *plan)
+    return True
 
 
 def _check_promised(tr: Transient, rid: Any, tables: Sequence[Sequence[int]]) -> None:
@@ -93,51 +169,12 @@ def _check_promised(tr: Transient, rid: Any, tables: Sequence[Sequence[int]]) ->
                           "promised")
 
 
-def _take(tr: Transient, rid: Any, computed: int, total: int, tables: Sequence[Sequence[int]]
-          ) -> bool:
-    """A call that only takes: each group's promised blocks, if the rows agree and they fit
-    (else False, ``tr`` untouched)."""
-    views = tr.views
-    if len(tables) != len(views):
-        return False
-    want: dict[int, int] = {}
-    for i, view in enumerate(views):
-        row = view.rows.get(rid)
-        if row is None or not (row[8] <= computed < row[6]):
-            return False  # not registered, a write to copy, or a block slides out
-        n = len(tables[i])
-        if n != (blocks_needed(view.policy, True, row[9], total)[1] if total > row[5] else 0):
-            return False
-        if n:
-            j = tr.group_pool[i]
-            want[j] = want.get(j, 0) + n
-    pools = tr.pools
-    if not all(n <= pools[j].queue.count for j, n in want.items()):
-        return False
-    for i, view in enumerate(views):
-        n = len(tables[i])
-        if n:
-            tr.copy(i).extend(rid, view.rows[rid], n)
-    _check_promised(tr, rid, tables)
-    return True
-
-
-def _cache(tr: Transient, rid: Any, computed: int, written: int, total: int,
-           hashes: BlockHashes) -> bool:
-    """A call that only caches what it fills, if the rows agree (else False, ``tr``
-    untouched)."""
-    views = tr.views
-    rows = []
-    for view in views:
-        row = view.rows.get(rid)
-        if row is None or not (row[8] <= computed < row[6] and total <= row[5]) or not (
-                view.traits[1]):
-            return False  # not registered, a write to copy, a block to take or to let go,
-        rows.append(row)  # or a state to save
+def _cache(tr: Transient, rid: Any, rows: list[Any], computed: int, written: int,
+           hashes: BlockHashes) -> None:
+    """Cache what a caching call fills, in each group whose row says a block completes."""
     for i, row in enumerate(rows):
         if written >= row[7]:  # a block completes here (``_policy.row_limits``)
             g = tr.copy(i)
             new = cache_step(g, rid, row, computed, written, hashes)
             if new is not row:
                 g.put(rid, new)
-    return True
