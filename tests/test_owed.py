@@ -17,7 +17,7 @@ import pytest
 
 import kvfunc as kf
 import kvfunc.core._owed as owed_module
-from kvfunc.core._fold import BUSY, CACHING, NOTHING, lane_plan, work_of
+from kvfunc.core._fold import BUSY, CACHING, NOTHING, SLIDES, lane_plan, work_of
 from kvfunc.core._internal import run_batch, run_owed
 from kvfunc.core._pool import next_free
 from kvfunc.testing import state_snapshot
@@ -66,7 +66,7 @@ def _owed_calls(state: kf.KVState, toks: dict[int, list[int]], shared: bool
                 ) -> list[tuple[Any, Any]]:
     """The decode calls of ``toks`` that ``kvfunc.vllm`` would owe: each take promised the
     free queue's next blocks past those promised before it (one pool), each caching call
-    with its hashes."""
+    with its hashes, each call that lets a window's cached block go (one pool)."""
     out: list[tuple[Any, Any]] = []
     cursor = None
     for rid, t in toks.items():
@@ -89,6 +89,11 @@ def _owed_calls(state: kf.KVState, toks: dict[int, list[int]], shared: bool
                 at += need
             cursor = ids[-1]
             out.append((kf.SlotRequest(rid, computed, 1, 0, 0, None, None, None), tables))
+        elif work & SLIDES and shared:  # a window lets a block go; nothing taken
+            plan = lane_plan(state.groups, rid, computed, computed + 1)
+            if plan is not None and not any(need or front for need, front in plan):
+                out.append((kf.SlotRequest(rid, computed, 1, 0, 0, None,
+                                           hashes if work & CACHING else None, None), None))
         else:
             assert work == NOTHING or work & BUSY
     return out
@@ -131,15 +136,16 @@ def test_owed_calls_paid_directly_equal_the_fold(seed: int, layout: str,
 
 
 def test_owed_calls_of_both_kinds_are_served_directly_in_some_traffic() -> None:
-    """The random traffic above does build takes and caching calls (the comparison is not
-    of empty payments)."""
+    """The random traffic above does build takes, caching calls and calls that let a
+    window's block go (the comparison is not of empty payments)."""
     kinds = set()
     for seed in range(40):
         rng = random.Random(seed)
         state, toks = _traffic(rng, "shared", window=seed % 3 != 0)
-        kinds.update("take" if t is not None else "cache"
-                      for _, t in _owed_calls(state, toks, True))
-    assert kinds == {"take", "cache"}
+        kinds.update("take" if t is not None else "slide" if e.computed_tokens >= min(
+            g.rows[e.request_id].slide for g in state.groups) else "cache"
+                      for e, t in _owed_calls(state, toks, True))
+    assert kinds == {"take", "cache", "slide"}
 
 
 def _one_take() -> tuple[kf.KVState, Any]:
@@ -249,3 +255,27 @@ def test_a_request_owed_twice_is_paid_one_call_at_a_time() -> None:
     _same(paid, run_batch(state, [e for e, _ in owed], False))
     row = paid.state.group("full").row("a")
     assert (row.ids[:row.length], row.stored) == ([1, 2, *promise], 2)
+
+
+def test_a_block_let_go_to_the_front_keeps_the_takes_after_it_one_by_one() -> None:
+    """A window's block that caches nothing joins the front of the free queue, so a take
+    owed after it pops that block first: the payment does not pop the takes in one run
+    then, and a take promised the blocks that were first before is a typed error (the
+    promise that counts the block let go gives the fold's state)."""
+    groups = {"full": kf.FullAttention(num_blocks=16, block_size=BS),
+              "swa": kf.SlidingWindow(num_blocks=16, block_size=BS, sliding_window=8)}
+    state = kf.KVState.create(groups, 256, enable_prefix_caching=True, layout="shared")
+    state = kf.allocate_slots(state, "w", 0, 3 * BS).state  # no hashes: nothing cached
+    state = kf.allocate_slots(state, "t", 0, BS).state
+    slide = kf.SlotRequest("w", 3 * BS - 1, 1, 0, 0, None, None, None)
+    take = kf.SlotRequest("t", BS, 1, 0, 0, None, None, None)
+    first = next_free(state.pools[0], None, 2)
+    assert first is not None
+    before = state_snapshot(state)
+    with pytest.raises(kf.KVFuncError, match="did not take the blocks"):
+        run_owed(state, [(slide, None), (take, [first[:1], first[1:]])], False)
+    assert state_snapshot(state) == before
+    general = run_batch(state, [slide, take], False)
+    let_go = state.group("swa").row("w").ids[0]
+    assert general.state.group("full").row("t").ids[1] == let_go
+    _same(run_owed(state, [(slide, None), (take, [[let_go], first[:1]])], False), general)

@@ -31,7 +31,7 @@ from kvfunc.core._checks import excerpt
 from kvfunc.core._errors import KVFuncError
 from kvfunc.core._fold import SlotRequest, fold
 from kvfunc.core._hashing import BlockHashes
-from kvfunc.core._policy import blocks_needed
+from kvfunc.core._policy import blocks_needed, slid_out
 from kvfunc.core._step import cache_step
 from kvfunc.core._transient import Transient
 
@@ -69,8 +69,10 @@ def pay_into(tr: Transient, owed: Iterable[tuple[Any, Sequence[Sequence[int]] | 
 
 def _plan(tr: Transient, e: Any, tables: Sequence[Sequence[int]] | None) -> Any:
     """What serving the owed call ``e`` directly does, as its rows tell: ``(rid, rows,
-    tables)`` for a take, ``(rid, rows, computed, written, hashes)`` for a caching call; None
-    when the rows or its form say otherwise (the fold serves it).  Reads ``tr`` only."""
+    tables)`` for a take, ``(rid, rows, computed, written, hashes, slid)`` for a call that
+    takes nothing (``slid``: per group, the positions its window lets go up to, as
+    :func:`slid_out` answers; ``hashes`` None: it caches nothing); None when the rows or
+    its form say otherwise (the fold serves it).  Reads ``tr`` only."""
     if type(e) is not SlotRequest:
         return None
     rid, computed, new, la, reserved, keys, hashes, hit = e
@@ -84,26 +86,31 @@ def _plan(tr: Transient, e: Any, tables: Sequence[Sequence[int]] | None) -> Any:
     if total > tr.max_model_len or (tables is not None and (
             hashes is not None or len(tables) != len(views))):
         return None
-    if tables is None and not (type(hashes) is BlockHashes and hashes.block_size in tr.checked):
+    if hashes is not None and not (type(hashes) is BlockHashes
+                                   and hashes.block_size in tr.checked):
         return None
-    rows = []
+    rows, slid = [], []
     for i, view in enumerate(views):
         row = view.rows.get(rid)
-        if row is None or not row[8] <= computed < row[6]:
-            return None  # not registered, a write to copy, or a block slides out
+        if row is None or not row[8] <= computed:
+            return None  # not registered, or a write to copy
         if tables is None:
             if total > row[5] or not view.traits[1]:
                 return None  # a block to take, or a state to save
-        elif len(tables[i]) != (blocks_needed(view.policy, True, row[9], total)[1]
-                                if total > row[5] else 0):
-            return None
+            slid.append(slid_out(view.policy, view.traits[2], computed, row[9])
+                        if computed >= row[6] else 0)
+        elif computed >= row[6] or len(tables[i]) != (
+                blocks_needed(view.policy, True, row[9], total)[1] if total > row[5] else 0):
+            return None  # a take that lets a block go, or needs other blocks than promised
         rows.append(row)
-    return (rid, rows, tables) if tables is not None else (rid, rows, computed, written, hashes)
+    if tables is not None:
+        return rid, rows, tables
+    return rid, rows, computed, written, hashes, slid
 
 
 def _serve(tr: Transient, plan: Any) -> bool:
     """Serve one planned call (False, ``tr`` untouched, when its takes do not fit)."""
-    if len(plan) == 5:
+    if len(plan) == 6:
         _cache(tr, *plan)
         return True
     rid, rows, tables = plan
@@ -133,9 +140,11 @@ def _together(tr: Transient, owed: list[tuple[Any, Any]]) -> bool:
             return False
         plans.append(plan)
     promised = [b for plan in plans if len(plan) == 3 for table in plan[2] for b in table]
-    if (len({plan[0] for plan in plans}) < len(plans)
-            or len(promised) > tr.pools[0].queue.count):
-        return False  # a request twice (planned from rows it changes), or a refusal
+    queue = tr.pools[0].queue
+    if (len({plan[0] for plan in plans}) < len(plans) or len(promised) > queue.count
+            or (promised and any(_lets_go_ahead(plan, queue) for plan in plans))):
+        return False  # a request twice (planned from rows it changes), a refusal, or a
+    # block let go that could come before a take's (popped first here)
     if promised:
         taken = tr.pool(0).take(len(promised))
         if taken != promised:
@@ -150,9 +159,20 @@ def _together(tr: Transient, owed: list[tuple[Any, Any]]) -> bool:
                         tr.copy(i).append(rid, rows[i], taken[at:at + n])
                         at += n
     for plan in plans:
-        if len(plan) == 5:
+        if len(plan) == 6:
             _cache(tr, *plan)
     return True
+
+
+def _lets_go_ahead(plan: Any, queue: Any) -> bool:
+    """Whether a planned call lets go a block that may join the free queue ahead of blocks
+    still queued: one that caches nothing (the front), or any while retention priorities
+    order the queue (the back of its priority's segment)."""
+    if len(plan) == 3:
+        return False
+    rows, slid = plan[1], plan[5]
+    return any(upto > row[1] and (queue.levels or upto > row[2])
+               for row, upto in zip(rows, slid, strict=True))
 
 
 def _check_promised(tr: Transient, rid: Any, tables: Sequence[Sequence[int]]) -> None:
@@ -170,11 +190,17 @@ def _check_promised(tr: Transient, rid: Any, tables: Sequence[Sequence[int]]) ->
 
 
 def _cache(tr: Transient, rid: Any, rows: list[Any], computed: int, written: int,
-           hashes: BlockHashes) -> None:
-    """Cache what a caching call fills, in each group whose row says a block completes."""
+           hashes: BlockHashes | None, slid: list[int]) -> None:
+    """A call that takes nothing: every group lets go what slid out of its window, as the
+    step recycles before anything else, then caches what it fills where its row says a
+    block completes."""
+    new = list(rows)
+    for i, upto in enumerate(slid):
+        if upto > rows[i][1]:
+            new[i] = tr.copy(i).recycle(rid, rows[i], upto)
     for i, row in enumerate(rows):
-        if written >= row[7]:  # a block completes here (``_policy.row_limits``)
+        if hashes is not None and written >= row[7]:  # a block completes (``row_limits``)
             g = tr.copy(i)
-            new = cache_step(g, rid, row, computed, written, hashes)
-            if new is not row:
-                g.put(rid, new)
+            new[i] = cache_step(g, rid, new[i], computed, written, hashes)
+        if new[i] is not row:
+            tr.copy(i).put(rid, new[i])
