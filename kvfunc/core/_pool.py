@@ -49,7 +49,6 @@ import immutables
 from kvfunc.core._lineage import LOCK, Store, Version, reading
 from kvfunc.core._policy import slid_out
 from kvfunc.core._queue import Linked, Ring
-from kvfunc.core._rows import recycled_free
 
 __all__ = ["EMPTY_MAP", "PoolState", "cache_key"]
 
@@ -239,29 +238,31 @@ def next_free(pool: PoolState, after: int | None, n: int) -> list[int] | None:
         return out
 
 
-def slid_free(state: Any, rid: Any, computed: int) -> int | None:
-    """Blocks of ``state``'s first pool that a step of ``rid`` from ``computed`` tokens frees
-    by letting blocks slide out of its windows (those no other table holds); None when the
-    pool's store is not at hand, as :func:`next_free` (for ``kvfunc.vllm``'s owed slides).
+def slid_blocks(state: Any, rid: Any, computed: int) -> list[tuple[int, int]] | None:
+    """The blocks of ``state``'s first pool that a step of ``rid`` from ``computed`` tokens
+    lets slide out of its windows, each with its holders now (1: the step frees it); None
+    when the pool's store is not at hand, as :func:`next_free` (for ``kvfunc.vllm``'s owed
+    slides).
 
     >>> from kvfunc.core import KVState, SlidingWindow, allocate_slots
     >>> s = KVState.create({"swa": SlidingWindow(num_blocks=9, block_size=4,
     ...                                          sliding_window=8)}, 1024,
     ...                    enable_prefix_caching=True)
     >>> s = allocate_slots(s, "a", 0, 12).state
-    >>> slid_free(s, "a", 10), slid_free(s, "a", 11)
-    (0, 1)
+    >>> slid_blocks(s, "a", 10), slid_blocks(s, "a", 11)
+    ([], [(1, 1)])
     """
     ver = state.pools[0].ver
     with LOCK:  # no claim lands while the counts are read
         store = None if ver is None else ver.node.store
         if store is None or store.txn is not None:
             return None
-        n = 0
+        out: list[tuple[int, int]] = []
         for g in state.groups:
             row = g.rows.get(rid)
             if row is not None and g.pool == 0 and computed >= row[6]:
                 upto = slid_out(g.policy, g.traits[2], computed, row[9])
                 if upto > row[1]:
-                    n += recycled_free(row, upto, store.refs)
-        return n
+                    ids = row[0][row[1]:upto]
+                    out.extend(zip(ids, map(store.refs.__getitem__, ids), strict=True))
+        return out

@@ -33,8 +33,8 @@ from kvfunc.core._fold import CACHING, NOTHING, SLIDES, work_of
 from kvfunc.core._internal import busy_slots, run_batch
 from kvfunc.core._rows import row_tail
 from kvfunc.vllm import _accounting, _inflight
-from kvfunc.vllm._base import ManagerBase
 from kvfunc.vllm._events import cached_block_events
+from kvfunc.vllm._owing import Owing
 
 __all__ = ["Allocation"]
 
@@ -50,7 +50,7 @@ def _waiting_states() -> frozenset[Any]:
     return _WAITING_STATES
 
 
-class Allocation(ManagerBase):
+class Allocation(Owing):
     """Prefix lookups, vLLM's block arithmetic and ``allocate_slots``."""
 
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None
@@ -149,12 +149,15 @@ class Allocation(ManagerBase):
             return self.empty_kv_cache_blocks  # a block filled: cached later (``_pay_owed``)
         hashes = (self._hashes.for_step(request, written)  # without CACHING nothing caches
                   if self.enable_caching and work & CACHING else None)
-        if (not work & SLIDES and self._defers and not self._zeroing
-                and self.metrics_collector is None):  # maybe only a take: owed (_owe_take)
-            taken = self._owe_take(request, state, work, computed, num_new_tokens,
-                                   num_lookahead_tokens, hashes)
-            if taken is not None:
-                return taken
+        if self._defers and not self._zeroing and self.metrics_collector is None:
+            if not work & SLIDES:  # maybe only a take: owed (_owe_take)
+                taken = self._owe_take(request, state, work, computed, num_new_tokens,
+                                       num_lookahead_tokens, hashes)
+                if taken is not None:
+                    return taken
+            elif self._owe_slide(request, state, work, computed, num_new_tokens,
+                                 num_lookahead_tokens, hashes):
+                return self.empty_kv_cache_blocks  # a window's block let go: owed
         merged = False
         if owed:  # this transition caches what the request owes, or what is owed is paid
             merged = self._settle_owed(request, work, computed, written + num_lookahead_tokens)
@@ -169,7 +172,7 @@ class Allocation(ManagerBase):
         if new_state is state:  # refused, or nothing to do
             return self.empty_kv_cache_blocks if result.ok else self._refused(
                 request, max(0, computed - request.num_in_flight_tokens))
-        if self._takes:  # it comes before the owed takes: it takes no block
+        if self._takes or self._slides:  # it comes before the owed takes: it takes no block
             self._commit(new_state, result.delta, "allocate_slots", request,
                          (computed, written), ahead=True)
             return self.empty_kv_cache_blocks

@@ -23,9 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import kvfunc as kf
-from kvfunc.core._fold import CACHING, SLIDES, lane_plan
 from kvfunc.core._internal import run_owed
-from kvfunc.core._pool import next_free
 from kvfunc.vllm._events import vllm_events
 from kvfunc.vllm._handles import Handles
 from kvfunc.vllm._hashes import RequestHashes
@@ -95,12 +93,16 @@ class ManagerBase:
         self._windowed = any(w is not None for w in layout.windows)
         self._value = layout.initial_state()
         #: request id -> (its entry, the digests it may cache, how many digests it had, the
-        #: position of the first of them, the blocks it takes per group or None): decode
-        #: calls whose only work, caching the blocks that filled or taking blocks, is owed
-        #: (_pay_owed)
-        self._owed: dict[Any, tuple[kf.SlotRequest, Any, int, int, list[list[int]] | None]] = {}
+        #: position of the first of them, the blocks it takes per group, ``()`` for a slide,
+        #: or None): decode calls whose only work, caching the blocks that filled, taking
+        #: blocks or letting a window's cached blocks go, is owed (_pay_owed)
+        self._owed: dict[Any, tuple[kf.SlotRequest, Any, int, int,
+                                    list[list[int]] | tuple[()] | None]] = {}
         self._owed_keys: set[bytes] = set()  # every owed call's digests (disjoint sets)
         self._takes = 0  # blocks the owed calls take
+        self._slides = 0  # owed calls that let a window's block go
+        self._freed = 0  # blocks those free
+        self._letgo: dict[int, int] = {}  # block -> holders the owed slides let go
         self._cursor: int | None = None  # the last of them in the free queue
         self._defers = enable_caching and not enable_kv_cache_events
         self._handles = Handles(layout.num_blocks, KVCacheBlock)
@@ -129,7 +131,7 @@ class ManagerBase:
     def _tables(self) -> kf.KVState:
         """The state whose tables are current: the owed takes done first, if any (the owed
         caching changes no table)."""
-        if self._takes:
+        if self._takes or self._slides:
             self._pay_owed()
         return self._value
 
@@ -159,149 +161,24 @@ class ManagerBase:
         (:meth:`_ahead_of_takes`).
         """
         owed = self._owed
-        result = run_owed(self._value, [(e[0], e[4]) for e in owed.values()], self._records)
+        result = run_owed(self._value, [(e[0], e[4] or None) for e in owed.values()],
+                          self._records)  # (a slide's ``()``: it takes nothing)
         if result.refused:  # caching takes no block, and the takes were counted: never refused
             raise kf.KVFuncError(f"the calls owed by {list(result.refused)} were refused")
-        if (self._takes and result.state.pools[0].num_free
-                != self._value.pools[0].num_free - self._takes):  # (each take's are checked)
-            raise kf.KVFuncError("the owed calls took other blocks than those promised")
+        if ((self._takes or self._slides) and result.state.pools[0].num_free
+                != self._value.pools[0].num_free - self._takes + self._freed):
+            raise kf.KVFuncError("the owed calls took or let go other blocks than counted")
         self._owed, self._owed_keys, self._takes, self._cursor = {}, set(), 0, None
+        self._slides = self._freed = 0
+        self._letgo = {}
         self._commit(result.state, result.delta, "owed_calls", None,
                      tuple(e[0][:4] for e in owed.values()))
-
-    def _owe(self, request: Any, computed: int, new: int, lookahead: int) -> None:
-        """Owe a call whose only work is caching the blocks it fills (see :meth:`_pay_owed`)."""
-        hashes = self._hashes.of(request)
-        rid, n = request.request_id, hashes.num_blocks
-        first = self._first_uncached(rid, n)
-        keys = request.block_hashes[first:n]  # what it may cache (and no more: a later
-        # transition of the request caches past them only with digests after them)
-        if not self._owed_keys.isdisjoint(keys):  # an owed call caches one of them too
-            self._pay_owed()
-        self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None, hashes,
-                                                 None)), keys, n, first, None)
-        self._owed_keys.update(keys)
-
-    def _owe_take(self, request: Any, state: kf.KVState, work: int, computed: int, new: int,
-                  lookahead: int, hashes: kf.BlockHashes | None) -> Any:
-        """Owe a decode call whose work is taking blocks (and caching what fills): the
-        ``KVCacheBlocks`` of the blocks it will take, or None (nothing owed) when it does more,
-        does not fit, or its caching meets an owed call's (see :meth:`_pay_owed`).
-
-        The blocks are the free queue's next ones past those already promised: the owed
-        calls are made in the order they came, so each pops exactly what was promised.
-        """
-        rid = request.request_id
-        plan = lane_plan(state.groups, rid, computed, computed + new + lookahead)
-        if plan is None:  # no window lets a block go here (``work`` has no SLIDES)
-            return None
-        needs = [need for need, _ in plan]
-        n = sum(needs)
-        if not n:
-            return None
-        # the manager's one pool (``layout="shared"``); None: fewer blocks free past those
-        # promised, or a store not at hand
-        ids = next_free(state.pools[0], self._cursor, n)
-        if ids is None:
-            return None
-        mine = self._owed.get(rid)
-        if mine is not None:  # what it owes merges into the take, or nothing is owed here
-            if not self._merges(request, mine, computed):
-                return None
-            self._forgive(rid)
-            if hashes is None:
-                hashes = self._hashes.of(request)
-        elif work & CACHING and self._meets(request, computed):
-            return None  # its caching is ordered against the owed call's: pay first
-        keys: Any = ()  # the digests it may cache (disjoint from the other owed calls')
-        known = first = 0
-        if hashes is not None and (work & CACHING or mine is not None):
-            known = hashes.num_blocks
-            first = self._first_uncached(rid, known)
-            keys = request.block_hashes[first:known]
-        tables, at = [], 0
-        for need in needs:
-            tables.append(ids[at:at + need])
-            at += need
-        self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None,
-                                                 hashes if keys else None, None)),
-                           keys, known, first, tables)  # no digest to cache: no hashes
-        self._owed_keys.update(keys)
-        self._takes += n
-        self._cursor = ids[-1]
-        return self._blocks_type(tuple(map(self._handles.blocks, tables)))
-
-    def _first_uncached(self, rid: Any, limit: int) -> int:
-        """The first position, at most ``limit``, that some group of ``rid`` has not cached
-        (or nulled); 0 without rows.  A transition of ``rid`` caches no digest before it,
-        except a block it copies on write, which it caches again: that is a block of tokens
-        it writes, so a caller whose step may copy passes ``computed // block_size``."""
-        first = limit
-        for g in self._value.groups:
-            row = g.rows.get(rid)
-            if row is None:
-                return 0
-            first = min(first, row[2] if row[2] > row[1] else row[1])
-        return first
-
-    def _settle_owed(self, request: Any, work: int, computed: int, total: int) -> bool:
-        """Before a step of ``request`` from ``computed`` tokens (``work``: what its rows
-        say is left to do), with something owed: True when the step caches what the request
-        owes itself (call :meth:`_forgive` once it is accepted); else every owed call is
-        paid first if takes are owed and the step may not come before them
-        (:meth:`_ahead_of_takes`, ``total``: its tokens with the lookahead), if the request
-        owes one, or if the step could cache a digest owed.
-
-        A step merges unless a window lets a block go (it could be an owed one), it writes
-        below the owed blocks (a block copied on write is cached again), or a digest after
-        the owed ones is owed by another call.
-        """
-        if self._takes and not self._ahead_of_takes(request, computed, total):
-            self._pay_owed()
-            return False
-        mine = self._owed.get(request.request_id)
-        if mine is not None and not work & SLIDES and self._merges(request, mine, computed):
-            return True
-        if mine is not None or (work & CACHING and self._meets(request, computed)):
-            self._pay_owed()
-        return False
-
-    def _meets(self, request: Any, computed: int) -> bool:
-        """Whether a step of ``request`` from ``computed`` tokens could cache a digest an owed
-        call caches: its digests from its first uncached block (its computed blocks', when
-        it may copy on write) against the owed ones."""
-        first = self._first_uncached(request.request_id, computed // self._layout.block_size)
-        return bool(self._owed_keys) and not self._owed_keys.isdisjoint(
-            request.block_hashes[first:])
-
-    def _ahead_of_takes(self, request: Any, computed: int, total: int) -> bool:
-        """Whether a step of ``request`` may come before the owed takes it follows: it takes
-        no block and every block it lets go joins the back of the free queue, behind the
-        blocks promised, so every owed take still pops its own.  (A request that owes a take
-        itself pays it first all the same: :meth:`_merges` never merges a take.)"""
-        if self._value.pools[0].queue.levels:
-            return False
-        plan = lane_plan(self._value.groups, request.request_id, computed, total)
-        return plan is not None and not any(need or front for need, front in plan)
-
-    def _merges(self, request: Any, mine: tuple[Any, ...], computed: int) -> bool:
-        """Whether a step of ``request`` from ``computed`` tokens may cache what the request
-        owes (``mine``, not a take) in its own transition: it writes nothing below the owed
-        blocks (a block copied on write is cached again), and no digest after them is owed
-        by another call."""
-        return (not mine[4] and computed // self._layout.block_size >= mine[3]
-                and self._owed_keys.isdisjoint(request.block_hashes[mine[2]:]))
-
-    def _forgive(self, rid: Any) -> None:
-        """``rid``'s owed call is done (its own transition cached what it owed)."""
-        keys = self._owed.pop(rid)[1]
-        self._owed_keys.difference_update(keys)
 
     def _state_for(self, request: Any, reads_digests: bool = True) -> kf.KVState:
         """The state as a call about ``request`` sees it: the owed calls paid first when
         takes are owed, when it owes one, or (``reads_digests``) when its digests meet an
         owed one."""
-        if self._owed and (self._takes or request.request_id in self._owed or (
+        if self._owed and (self._takes or self._slides or request.request_id in self._owed or (
                 reads_digests and not self._owed_keys.isdisjoint(request.block_hashes))):
             self._pay_owed()
         return self._value
@@ -332,14 +209,15 @@ class ManagerBase:
         self._value = state
         self._owed.clear()
         self._owed_keys.clear()
-        self._takes, self._cursor = 0, None
+        self._takes, self._cursor, self._slides, self._freed = 0, None, 0, 0
+        self._letgo = {}
         self._hashes.clear()
 
     @property
     def num_free_blocks(self) -> int:
         """Free blocks of the one pool (cached blocks waiting in the queue included; caching
         owed changes none; blocks promised to owed takes count as taken)."""
-        return self._value.pools[0].num_free - self._takes
+        return self._value.pools[0].num_free - self._takes + self._freed
 
     @property
     def usage(self) -> float:
@@ -367,7 +245,7 @@ class ManagerBase:
         any other is a caller that forgot to pay them (a typed error, nothing
         changed), as is a transition without its delta while one is read.
         """
-        if self._takes and not ahead:
+        if (self._takes or self._slides) and not ahead:
             raise kf.KVFuncError(f"{call} would change the state before the owed takes")
         if delta is None:
             if self._records:

@@ -471,20 +471,25 @@ def test_decode_steps_that_take_blocks_are_owed_and_answer_the_blocks_they_will_
     _both_ways((None, 6), scenario)
 
 
-def test_a_window_step_that_lets_cached_blocks_go_comes_before_owed_takes() -> None:
-    """While A's take is owed, B's window lets a cached block go: B's transition is made at
-    once, before A's (the block joins the back of the free queue, behind A's), and nothing
-    is paid; every answer and free count is vLLM's."""
+def test_a_window_step_that_lets_cached_blocks_go_is_owed_behind_owed_takes() -> None:
+    """While A's take is owed, B's window lets a cached block go: B's call is owed too (the
+    block joins the back of the free queue, behind A's, when it is paid, and counts free at
+    once), and nothing is paid; every answer and free count is vLLM's."""
     def scenario(m: Any) -> None:
         a = _started(m, "a", list(range(BLOCK)))
         b = _started(m, "b", list(range(50, 59)))
         inner = _owing(m)
         _decode(m, a)  # takes a block: owed
         value = None if inner is None else inner._value
+        free = m.block_pool.get_num_free_blocks()
         _decode(m, b)  # the window (6 tokens) lets b's first block go
         if inner is not None:
-            assert inner._takes == len(inner._layout.keys) and inner._value is not value
+            assert inner._takes == len(inner._layout.keys) and inner._value is value
+            assert inner._slides == 1
+        assert m.block_pool.get_num_free_blocks() == free + 1
         m.get_computed_blocks(make_request("e", list(range(50, 59)), block_size=BLOCK))
+        if inner is not None:
+            assert not inner._takes and not inner._slides and inner._value is not value
 
     for windows in ((None, 6), (6, None)):
         _both_ways(windows, scenario)
@@ -558,7 +563,14 @@ def test_a_change_before_the_owed_takes_or_a_take_off_its_promise_is_a_typed_err
     m = manager(events=False)  # a payment whose blocks are not those counted
     _decode(m, _started(m, "a", list(range(BLOCK))))
     m._takes += 1  # the payment takes one block fewer than counted: not the promise
-    with pytest.raises(kf.KVFuncError, match="other blocks than those promised"):
+    with pytest.raises(kf.KVFuncError, match="other blocks than counted"):
+        m._pay_owed()
+    m = manager((None, 6), events=False)  # a slide whose blocks freed are not those counted
+    b = _started(m, "b", list(range(50, 59)))
+    _decode(m, b)  # the window (6 tokens) lets b's first block go: owed
+    assert m._slides == 1
+    m._freed -= 1
+    with pytest.raises(kf.KVFuncError, match="other blocks than counted"):
         m._pay_owed()
 
 
@@ -594,6 +606,7 @@ def test_an_owed_take_that_caches_lists_its_digests_so_a_step_ahead_of_it_pays_f
         assert m.allocate_slots(a, 9) is not None
         a.num_computed_tokens = 9
         assert m.allocate_slots(a, 2) is not None  # the window lets a's first block go
+        m.get_block_ids("a")  # (a read: the owed slide is paid)
         a.num_computed_tokens = 11
         a.append_output_token_ids(t[11])
         m.allocate_slots(a, 1, num_lookahead_tokens=1)  # fills Y, takes a block: owed
