@@ -100,15 +100,25 @@ def _owed_calls(state: kf.KVState, toks: dict[int, list[int]], shared: bool
 
 
 def _same(a: Any, b: Any) -> None:
-    """The same refusals, delta and state; cell for cell when recorded.  (Unrecorded takes
+    """The same refusals, delta and state; cell for cell when recorded, and else every cell
+    but the free queue's links, with the hash index's copies in order.  (Unrecorded takes
     may pop their blocks in one run, which leaves other stale links in the cells of the
-    blocks popped than one pop each: no reader looks at a held block's links, and state
-    equality, which compares the queue's order, holds.)"""
+    blocks popped than one pop each: no reader looks at a held block's links, and the
+    queue's order is compared.)"""
     assert a.refused == b.refused
     assert a.delta == b.delta
     assert a.state == b.state
     if a.delta is not None:
         assert state_snapshot(a.state) == state_snapshot(b.state)
+    assert _cells(a.state) == _cells(b.state)
+
+
+def _cells(state: kf.KVState) -> Any:
+    """A state's snapshot without the queue's link cells, with each pool's hash index (the
+    copies of a key in the order a hit takes them) and count of cached blocks."""
+    limit, groups, pools, usage = state_snapshot(state)
+    return (limit, groups, tuple((*p[:5], *p[6:]) for p in pools), usage,
+            tuple((sorted(p.by_key.items()), p.num_cached) for p in state.pools))
 
 
 @pytest.mark.parametrize("layout", ["shared", "per-type"])
@@ -203,8 +213,9 @@ def test_calls_of_other_shapes_take_the_fold_and_equal_it(monkeypatch: pytest.Mo
 
 
 def test_run_owed_refuses_what_the_fold_refuses_and_checks_its_input() -> None:
-    """A take that does not fit is refused as the fold refuses it; a non-iterable payment is
-    a typed error."""
+    """A take that does not fit is refused as the fold refuses it; a non-iterable payment, an
+    owed call that is not ``(request, tables)`` and a reservation that is not an int are
+    typed errors that change nothing."""
     state = kf.KVState.create({"full": kf.FullAttention(num_blocks=3, block_size=BS)}, 256,
                               enable_prefix_caching=True)
     state = kf.allocate_slots(state, "a", 0, 2 * BS).state
@@ -213,6 +224,14 @@ def test_run_owed_refuses_what_the_fold_refuses_and_checks_its_input() -> None:
     assert r.refused == ("a",) and r.state is state
     with pytest.raises(kf.InvalidTypeError):
         run_owed(state, 3, False)  # type: ignore[arg-type]
+    before = state_snapshot(state)
+    for bad in ([(request,)], [(request, 5)], [(request, [5])], [request],
+                [(request._replace(reserved_tokens=False), [[5]])]):
+        with pytest.raises(kf.InvalidTypeError):
+            run_owed(state, bad, False)
+        assert state_snapshot(state) == before
+    with pytest.raises(kf.InvalidTypeError):  # as the fold answers a reservation of False
+        run_batch(state, [request._replace(reserved_tokens=False)], False)
 
 
 @pytest.mark.parametrize("seed", range(24))

@@ -1,20 +1,23 @@
 """Paying calls that were owed: decode steps whose work the rows told when they were made.
 
 ``kvfunc.vllm`` answers some decode calls at once and makes their
-transitions later, together, in the order they came (its "owed calls"):
+transitions later, together, in the order they came (its "owed calls").
+Three kinds are served here without the step's planning:
 
-* a call that only **takes** blocks: its rows said it needs new blocks and
+* a call that only **takes** blocks: its rows say it needs new blocks and
   nothing else (nothing slides out, nothing is copied on write, it caches
   nothing: no hashes), and it was promised the free queue's next blocks
   past those promised before it;
-* a call that only **caches** the blocks it fills: its rows said it needs
-  no block, nothing slides out, nothing is copied.
+* a call that takes nothing and **caches** the blocks it fills, or **lets
+  go** what slid out of a window, or both: its rows say it needs no block
+  and nothing is copied.
 
 :func:`pay_into` makes such calls on a working copy by the same primitives
-the step would use (``GroupCopy.extend``, :func:`~kvfunc.core._step.cache_step`),
-skipping only the planning that the rows made needless.  It asks the rows
-again first, with the same quiet limits and :func:`blocks_needed` the fold
-asks; a call whose rows say anything else (or of another form) goes through
+the step would use (``GroupCopy.extend``, ``GroupCopy.recycle``,
+:func:`~kvfunc.core._step.cache_step`), skipping only the planning that the
+rows made needless.  It asks the rows again first, with the same quiet
+limits, :func:`slid_out` and :func:`blocks_needed` the fold asks; a call of
+any other kind or form (an owed take that also caches, for one) goes through
 :func:`~kvfunc.core._fold.fold` as any entry does, so the result is by
 definition that of :func:`~kvfunc.core._runs.run_batch` of the same
 requests.  ``tests/on_vllm/test_vllm_manager.py`` compares managers that owe
@@ -28,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvfunc.core._checks import excerpt
-from kvfunc.core._errors import KVFuncError
+from kvfunc.core._errors import InvalidTypeError, KVFuncError
 from kvfunc.core._fold import SlotRequest, fold
 from kvfunc.core._hashing import BlockHashes
 from kvfunc.core._policy import blocks_needed, slid_out
@@ -54,6 +57,12 @@ def pay_into(tr: Transient, owed: Iterable[tuple[Any, Sequence[Sequence[int]] | 
     the same index either way: a store adds its block, an eviction drops its own).
     """
     owed = list(owed)
+    for item in owed:
+        if type(item) is not tuple or len(item) != 2 or not (
+                item[1] is None or (type(item[1]) in (list, tuple)
+                                    and all(type(t) in (list, tuple) for t in item[1]))):
+            raise InvalidTypeError(f"an owed call is (request, tables or None), got "
+                                   f"{excerpt(item)}")
     if tr.sink is None and len(tr.pools) == 1 and _together(tr, owed):
         return []
     refused = []
@@ -78,7 +87,8 @@ def _plan(tr: Transient, e: Any, tables: Sequence[Sequence[int]] | None) -> Any:
     rid, computed, new, la, reserved, keys, hashes, hit = e
     t = type(rid)
     if not ((t is int or t is str) and type(computed) is int is type(new) is type(la)
-            and (computed | new | la) >= 0 and not reserved and keys is hit is None):
+            and (computed | new | la) >= 0 and type(reserved) is int and not reserved
+            and keys is hit is None):
         return None  # the fold's checks and clamps for any other entry
     written = computed + new
     total = written + la

@@ -147,8 +147,12 @@ class Allocation(Owing):
         if work == CACHING and self._defers and rid not in owed:
             self._owe(request, computed, num_new_tokens, num_lookahead_tokens)
             return self.empty_kv_cache_blocks  # a block filled: cached later (``_pay_owed``)
-        hashes = (self._hashes.for_step(request, written)  # without CACHING nothing caches
-                  if self.enable_caching and work & CACHING else None)
+        hashes = None
+        if self.enable_caching:  # without CACHING nothing caches: the news only is seen
+            if work & CACHING:
+                hashes = self._hashes.for_step(request, written)
+            else:
+                self._hashes.note(request, written)
         if self._defers and not self._zeroing and self.metrics_collector is None:
             if not work & SLIDES:  # maybe only a take: owed (_owe_take)
                 taken = self._owe_take(request, state, work, computed, num_new_tokens,

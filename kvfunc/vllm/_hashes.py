@@ -96,6 +96,19 @@ class RequestHashes:
         self._seen[request.request_id] = news
         return value
 
+    def note(self, request: Any, written: int) -> None:
+        """A step that writes up to ``written`` tokens and cannot cache (no block fills):
+        its news counts as seen, as :meth:`for_step` would count them, without the hashes
+        it would not use.
+
+        >>> from types import SimpleNamespace
+        >>> r = SimpleNamespace(request_id="a", block_hashes=[b"h0"], all_token_ids=[1, 2, 3])
+        >>> cache = RequestHashes(2)
+        >>> cache.note(r, 3)
+        >>> cache.for_step(r, 3)
+        """
+        self._seen[request.request_id] = (len(request.block_hashes), written // self._block_size)
+
     def unsee(self, request_id: Any) -> None:
         """The step that :meth:`for_step` answered did not happen (it was refused)."""
         self._seen.pop(request_id, None)

@@ -699,3 +699,25 @@ def test_a_take_that_copies_a_shared_block_is_not_owed() -> None:
         runs.append((rec.log, m.state))
     assert runs[0] == runs[1]
     assert runs[0][0][-1][1][0][1:3] != [2, 3]  # b's copies, not a's blocks
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_a_step_that_fills_nothing_still_counts_as_seen_for_the_next_caching(events: bool
+                                                                               ) -> None:
+    """A take that fills no block needs no hashes, but the request's news (digests, blocks
+    written) count as seen all the same: a held block evicted after it is cached again
+    only past the next block boundary, as documented, not at the next step that takes."""
+    m = manager(num_blocks=8, events=events)
+    a = make_request("a", list(range(9)), block_size=BLOCK, max_tokens=64)
+    assert m.allocate_slots(a, 9).get_block_ids() == ([1, 2, 3],)
+    a.status, a.num_computed_tokens = RequestStatus.RUNNING, 9
+    a.append_output_token_ids(50)
+    assert m.allocate_slots(a, 1, num_lookahead_tokens=30) is None  # refused: nothing seen
+    assert m.allocate_slots(a, 1, num_lookahead_tokens=4).get_block_ids() == ([4],)
+    a.num_computed_tokens = 10
+    a.append_output_token_ids(51)
+    m.evict_blocks({2})  # a's second block, held
+    assert m.allocate_slots(a, 1, num_lookahead_tokens=8).get_block_ids() == ([5],)
+    a.num_computed_tokens = 11
+    assert m.get_computed_blocks(make_request("b", [*range(9), 99], block_size=BLOCK))[1] == 4
+    assert m.state.group(m._layout.keys[0]).row("a").stored == 1
