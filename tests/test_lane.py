@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from admission import admitted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,10 +75,7 @@ def _caching_traffic(seed: int, layout: str) -> list[tuple[Any, Any]]:
         roll = rng.random()
         if roll < 0.3 or not live:
             t = toks[rid] = list(rng.choice(prompts)) + [rng.randrange(9) for _ in range(3)]
-            h = kf.BlockHashes.of(t, 4)
-            hit = kf.lookup_prefix(state, h, max_tokens=len(t) - 1)
-            r = kf.allocate_slots(state, rid, hit.num_tokens, len(t) - hit.num_tokens,
-                                  block_hashes=h, prefix_hit=hit)
+            r = admitted(state, rid, t, 4)
             if not r.ok:
                 del toks[rid]
             state = r.state
@@ -357,10 +355,7 @@ def test_work_of_tells_a_step_with_nothing_to_do_or_only_caching(seed: int,
     for rid in range(120):
         if len(toks) < 4:
             t = toks[rid] = prefix[:rng.randint(0, 8)] + [rng.randrange(9) for _ in range(3)]
-            h = kf.BlockHashes.of(t, 4)
-            hit = kf.lookup_prefix(state, h, max_tokens=len(t) - 1)
-            r = kf.allocate_slots(state, rid, hit.num_tokens, len(t) - hit.num_tokens,
-                                  block_hashes=h, prefix_hit=hit)
+            r = admitted(state, rid, t, 4)
             state = r.state if r.ok else state
             if not r.ok:
                 del toks[rid]

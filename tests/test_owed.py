@@ -14,6 +14,7 @@ import random
 from typing import Any
 
 import pytest
+from admission import admitted
 
 import kvfunc as kf
 import kvfunc.core._owed as owed_module
@@ -38,10 +39,7 @@ def _traffic(rng: random.Random, layout: str, window: bool
     for rid in range(rng.randint(4, 24)):
         if rng.random() < 0.5 or not toks:
             t = toks[rid] = [*rng.choice(prompts), *(rng.randrange(9) for _ in range(2))]
-            h = kf.BlockHashes.of(t, BS)
-            hit = kf.lookup_prefix(state, h, max_tokens=len(t) - 1)
-            r = kf.allocate_slots(state, rid, hit.num_tokens, len(t) - hit.num_tokens,
-                                  block_hashes=h, prefix_hit=hit)
+            r = admitted(state, rid, t, BS)
             if not r.ok:
                 del toks[rid]
             state = r.state
