@@ -654,3 +654,20 @@ def test_a_step_caches_no_block_before_its_first_uncached_one_or_its_computed_on
             assert all(p >= min(first, computed // 4) for p in stored), (computed, new, stored)
             below += any(p < first for p in stored)
     assert below, "no step cached below its first uncached block: the case is not covered"
+
+
+def test_a_state_of_windows_only_admits_a_request_with_its_prefix_hit() -> None:
+    """With no full-attention group, a hit's slid-out positions are null entries of a new
+    row: the admission fits (nothing to recycle yet) and takes the rest."""
+    s = kf.KVState.create({"swa": kf.SlidingWindow(num_blocks=32, block_size=4,
+                                                   sliding_window=7)}, 256,
+                          enable_prefix_caching=True)
+    t = list(range(20))
+    s = kf.free_request(kf.allocate_slots(s, "a", 0, 20,
+                                          block_hashes=kf.BlockHashes.of(t, 4)).state, "a")[0]
+    h = kf.BlockHashes.of([*t, 99], 4)
+    hit = kf.lookup_prefix(s, h, max_tokens=20)
+    assert hit.block_ids["swa"] == (0, 0, 0, 4, 5)
+    r = kf.allocate_slots(s, "b", 20, 1, block_hashes=h, prefix_hit=hit)
+    assert kf.get_block_ids(r.state, "b") == {"swa": (0, 0, 0, 4, 5, 6)}
+    kf.check_invariants(r.state)

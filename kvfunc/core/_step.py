@@ -181,8 +181,8 @@ def has_room(tr: Transient, plans: list[Plan], reserved: int) -> bool:
         need += extra + len(cow)
         if not need:
             return True
-        return fits(tr, i, need - (_gain(tr, plans[0]) if upto > (row[1] if row is not None
-                                                                     else 0) else 0))
+        return fits(tr, i, need - (_gain(tr, plans[0]) if row is not None and upto > row[1]
+                                   else 0))  # a new row recycles nothing (``recycle_first``)
     want: dict[int, int] = {}
     pool_of, pools = tr.group_pool, tr.pools
     for p in plans:  # one read of the plan's fields (a named field costs a lookup)

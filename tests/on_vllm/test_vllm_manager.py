@@ -721,3 +721,20 @@ def test_a_step_that_fills_nothing_still_counts_as_seen_for_the_next_caching(eve
     a.num_computed_tokens = 11
     assert m.get_computed_blocks(make_request("b", [*range(9), 99], block_size=BLOCK))[1] == 4
     assert m.state.group(m._layout.keys[0]).row("a").stored == 1
+
+
+def test_a_model_of_windows_only_admits_with_a_prefix_hit_as_vllm() -> None:
+    """Every layer behind a window: a second request hits the first one's blocks within its
+    window and is admitted with them (the room check counts nothing recycled for a request
+    that has no row yet), with vLLM's blocks, hit and free counts."""
+    prompt = list(range(5 * BLOCK))
+
+    def scenario(m: Any) -> None:
+        a = _started(m, "a", prompt)
+        m.free(a)
+        b = make_request("b", [*prompt, 99], block_size=BLOCK)
+        blocks, hit = m.get_computed_blocks(b)[:2]
+        assert hit
+        m.allocate_slots(b, len(prompt) + 1 - hit, hit, blocks)
+
+    _both_ways((7,), scenario)
