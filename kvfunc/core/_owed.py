@@ -59,10 +59,9 @@ def pay_into(tr: Transient, owed: Iterable[tuple[Any, Sequence[Sequence[int]] | 
     owed = list(owed)
     for item in owed:
         if type(item) is not tuple or len(item) != 2 or not (
-                item[1] is None or (type(item[1]) in (list, tuple)
-                                    and all(type(t) in (list, tuple) for t in item[1]))):
+                item[1] is None or type(item[1]) is list or type(item[1]) is tuple):
             raise InvalidTypeError(f"an owed call is (request, tables or None), got "
-                                   f"{excerpt(item)}")
+                                   f"{excerpt(item)}")  # (each table: see ``_table``)
     if tr.sink is None and len(tr.pools) == 1 and _together(tr, owed):
         return []
     refused = []
@@ -78,10 +77,11 @@ def pay_into(tr: Transient, owed: Iterable[tuple[Any, Sequence[Sequence[int]] | 
 
 def _plan(tr: Transient, e: Any, tables: Sequence[Sequence[int]] | None) -> Any:
     """What serving the owed call ``e`` directly does, as its rows tell: ``(rid, rows,
-    tables)`` for a take, ``(rid, rows, computed, written, hashes, slid)`` for a call that
-    takes nothing (``slid``: per group, the positions its window lets go up to, as
-    :func:`slid_out` answers; ``hashes`` None: it caches nothing); None when the rows or
-    its form say otherwise (the fold serves it).  Reads ``tr`` only."""
+    tables)`` for a take, ``(rid, rows, computed, written, hashes, slid, lets_go)`` for a
+    call that takes nothing (``slid``: per group, the positions its window lets go up to,
+    as :func:`slid_out` answers, or None; ``lets_go``: 0, 1 when a block let go caches
+    something, 2 when one may not; ``hashes`` None: it caches nothing); None when the rows
+    or its form say otherwise (the fold serves it).  Reads ``tr`` only."""
     if type(e) is not SlotRequest:
         return None
     rid, computed, new, la, reserved, keys, hashes, hit = e
@@ -99,7 +99,9 @@ def _plan(tr: Transient, e: Any, tables: Sequence[Sequence[int]] | None) -> Any:
     if hashes is not None and not (type(hashes) is BlockHashes
                                    and hashes.block_size in tr.checked):
         return None
-    rows, slid = [], []
+    rows: list[Any] = []
+    slid: list[int] | None = None
+    lets_go = 0  # 1: a block let go joins the back of the free queue; 2: maybe the front
     for i, view in enumerate(views):
         row = view.rows.get(rid)
         if row is None or not row[8] <= computed:
@@ -107,21 +109,33 @@ def _plan(tr: Transient, e: Any, tables: Sequence[Sequence[int]] | None) -> Any:
         if tables is None:
             if total > row[5] or not view.traits[1]:
                 return None  # a block to take, or a state to save
-            slid.append(slid_out(view.policy, view.traits[2], computed, row[9])
-                        if computed >= row[6] else 0)
-        elif computed >= row[6] or len(tables[i]) != (
+            if computed >= row[6]:
+                upto = slid_out(view.policy, view.traits[2], computed, row[9])
+                if upto > row[1]:
+                    slid = slid or [0] * len(views)
+                    slid[i] = upto
+                    lets_go = max(lets_go, 2 if upto > row[2] else 1)  # past the cached
+        elif computed >= row[6] or len(_table(tables, i)) != (
                 blocks_needed(view.policy, True, row[9], total)[1] if total > row[5] else 0):
             return None  # a take that lets a block go, or needs other blocks than promised
         rows.append(row)
     if tables is not None:
         return rid, rows, tables
-    return rid, rows, computed, written, hashes, slid
+    return rid, rows, computed, written, hashes, slid, lets_go
+
+
+def _table(tables: Sequence[Sequence[int]], i: int) -> Sequence[int]:
+    """Group ``i``'s promised blocks, checked to be a list or tuple (a typed error)."""
+    table = tables[i]
+    if type(table) is not list and type(table) is not tuple:
+        raise InvalidTypeError(f"an owed take's table must be a list, got {excerpt(table)}")
+    return table
 
 
 def _serve(tr: Transient, plan: Any) -> bool:
     """Serve one planned call (False, ``tr`` untouched, when its takes do not fit)."""
-    if len(plan) == 6:
-        _cache(tr, *plan)
+    if len(plan) == 7:
+        _cache(tr, *plan[:6])
         return True
     rid, rows, tables = plan
     want: dict[int, int] = {}
@@ -144,17 +158,22 @@ def _together(tr: Transient, owed: list[tuple[Any, Any]]) -> bool:
     blocks popped in one run (the promises checked against it) and handed out in order,
     then every caching call; False (``tr`` untouched) otherwise."""
     plans = []
+    lets_go = 0
     for e, tables in owed:
         plan = _plan(tr, e, tables)
         if plan is None:
             return False
+        if len(plan) == 7 and plan[6] > lets_go:
+            lets_go = plan[6]
         plans.append(plan)
     promised = [b for plan in plans if len(plan) == 3 for table in plan[2] for b in table]
     queue = tr.pools[0].queue
     if (len({plan[0] for plan in plans}) < len(plans) or len(promised) > queue.count
-            or (promised and any(_lets_go_ahead(plan, queue) for plan in plans))):
+            or (promised and (lets_go == 2 or (lets_go and queue.levels)))):
         return False  # a request twice (planned from rows it changes), a refusal, or a
-    # block let go that could come before a take's (popped first here)
+    # block let go that could come before a take's (popped first here): one that caches
+    # nothing joins the front, any the back of its priority's segment while priorities
+    # order the queue
     if promised:
         taken = tr.pool(0).take(len(promised))
         if taken != promised:
@@ -169,27 +188,17 @@ def _together(tr: Transient, owed: list[tuple[Any, Any]]) -> bool:
                         tr.copy(i).append(rid, rows[i], taken[at:at + n])
                         at += n
     for plan in plans:
-        if len(plan) == 6:
-            _cache(tr, *plan)
+        if len(plan) == 7:
+            _cache(tr, *plan[:6])
     return True
-
-
-def _lets_go_ahead(plan: Any, queue: Any) -> bool:
-    """Whether a planned call lets go a block that may join the free queue ahead of blocks
-    still queued: one that caches nothing (the front), or any while retention priorities
-    order the queue (the back of its priority's segment)."""
-    if len(plan) == 3:
-        return False
-    rows, slid = plan[1], plan[5]
-    return any(upto > row[1] and (queue.levels or upto > row[2])
-               for row, upto in zip(rows, slid, strict=True))
 
 
 def _check_promised(tr: Transient, rid: Any, tables: Sequence[Sequence[int]]) -> None:
     """That each group's table of ``rid`` ends with the blocks promised to it (null entries)."""
     views = tr.views
     kept = len(tables) == len(views)
-    for view, table in zip(views, tables, strict=False):  # (the lengths were compared)
+    for i, view in enumerate(views[:len(tables)]):  # (the lengths were compared)
+        table = _table(tables, i)
         if table:
             row = view.rows.get(rid)
             end = 0 if row is None else row[9]  # a take's blocks end the table, past its
@@ -200,14 +209,15 @@ def _check_promised(tr: Transient, rid: Any, tables: Sequence[Sequence[int]]) ->
 
 
 def _cache(tr: Transient, rid: Any, rows: list[Any], computed: int, written: int,
-           hashes: BlockHashes | None, slid: list[int]) -> None:
-    """A call that takes nothing: every group lets go what slid out of its window, as the
-    step recycles before anything else, then caches what it fills where its row says a
-    block completes."""
+           hashes: BlockHashes | None, slid: list[int] | None) -> None:
+    """A call that takes nothing: every group lets go what slid out of its window (``slid``,
+    None when nothing does), as the step recycles before anything else, then caches what
+    it fills where its row says a block completes."""
     new = list(rows)
-    for i, upto in enumerate(slid):
-        if upto > rows[i][1]:
-            new[i] = tr.copy(i).recycle(rid, rows[i], upto)
+    if slid is not None:
+        for i, upto in enumerate(slid):
+            if upto:
+                new[i] = tr.copy(i).recycle(rid, rows[i], upto)
     for i, row in enumerate(rows):
         if hashes is not None and written >= row[7]:  # a block completes (``row_limits``)
             g = tr.copy(i)
