@@ -155,10 +155,12 @@ class ManagerBase:
         fills) is owed too (:meth:`_owe_take`): it answers with the blocks the
         free queue hands out next after those promised to earlier owed calls,
         which this one transition (``run_owed``), making the calls in the order they
-        came, takes; it checks that each took what it promised.  While takes are
-        owed every read of the tables or the free queue, and every other
-        change, pays first, but a step that may come before them
-        (:meth:`_ahead_of_takes`).
+        came, takes; it checks that each took what it promised.  So is a decode
+        call whose only work is letting a window's cached blocks go (and caching
+        what fills, :meth:`_owe_slide`): its blocks count free at once.  While
+        takes or slides are owed every read of the tables or the free queue, and
+        every other change, pays first, but a step that may come before them
+        (:meth:`_ahead_of_takes`; none comes before a slide).
         """
         owed = self._owed
         result = run_owed(self._value, [(e[0], e[4] or None) for e in owed.values()],

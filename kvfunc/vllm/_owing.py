@@ -149,7 +149,7 @@ class Owing(ManagerBase):
         """Before a step of ``request`` from ``computed`` tokens (``work``: what its rows
         say is left to do), with something owed: True when the step caches what the request
         owes itself (call :meth:`_forgive` once it is accepted); else every owed call is
-        paid first if takes are owed and the step may not come before them
+        paid first if takes or slides are owed and the step may not come before them
         (:meth:`_ahead_of_takes`, ``total``: its tokens with the lookahead), if the request
         owes one, or if the step could cache a digest owed.
 
@@ -178,8 +178,10 @@ class Owing(ManagerBase):
     def _ahead_of_takes(self, request: Any, computed: int, total: int) -> bool:
         """Whether a step of ``request`` may come before the owed takes it follows: it takes
         no block and every block it lets go joins the back of the free queue, behind the
-        blocks promised, so every owed take still pops its own.  (A request that owes a take
-        itself pays it first all the same: :meth:`_merges` never merges a take.)"""
+        blocks promised, so every owed take still pops its own; nothing comes before an owed
+        slide (the order blocks join the back is their eviction order).  (A request that owes
+        a take or a slide itself pays it first all the same: :meth:`_merges` merges
+        neither.)"""
         if self._slides or self._value.pools[0].queue.levels:
             return False  # behind an owed slide's block, or a priority's segment
         plan = lane_plan(self._value.groups, request.request_id, computed, total)
