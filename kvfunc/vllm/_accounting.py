@@ -72,23 +72,25 @@ def estimate_cached_tokens(state: KVState, layout: Layout, request_id: str) -> i
 
 
 def fa_hit_tokens(state: KVState, layout: Layout, digests: Sequence[bytes], limit: int) -> int:
-    """The longest prefix (up to ``limit`` tokens) cached in the first full-attention group.
+    """The longest prefix (up to ``limit`` tokens) that every full-attention group caches.
 
     vLLM's hybrid lookup reports a shared prefix that full attention caches
-    but a sliding window does not (``shared_prefix_boundary``).  A pool's
-    index keys a digest followed by the group's tag byte when several groups
-    share the pool.
+    but a sliding window does not (``shared_prefix_boundary``); its
+    full-attention groups of one spec look up together, so a block counts
+    only when all of them cache it.  A pool's index keys a digest followed by
+    the group's tag byte when several groups share the pool.
     """
-    key = next((k for k, w in zip(layout.keys, layout.windows, strict=True) if w is None), None)
-    if key is None:
+    keys = [k for k, w in zip(layout.keys, layout.windows, strict=True) if w is None]
+    if not keys:
         return 0
-    pool = state.pools[state.group(key).pool]
-    tag = pool.tag_of(key)
-    n = 0
-    with pool.reading() as store:
-        index = store.by_key
-        for h in digests[:limit // layout.block_size]:
-            if index.get(h if tag is None else h + tag) is None:
-                break
-            n += 1
+    n = limit // layout.block_size
+    for key in keys:
+        pool = state.pools[state.group(key).pool]
+        tag = pool.tag_of(key)
+        with pool.reading() as store:
+            index = store.by_key
+            for i, h in enumerate(digests[:n]):
+                if index.get(h if tag is None else h + tag) is None:
+                    n = i
+                    break
     return n * layout.block_size

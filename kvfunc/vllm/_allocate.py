@@ -144,15 +144,16 @@ class Allocation(Owing):
         if work == NOTHING:
             return self.empty_kv_cache_blocks  # the common decode step: nothing to do
         owed = self._owed
-        if work == CACHING and self._defers and rid not in owed:
-            self._owe(request, computed, num_new_tokens, num_lookahead_tokens)
-            return self.empty_kv_cache_blocks  # a block filled: cached later (``_pay_owed``)
         hashes = None
         if self.enable_caching:  # without CACHING nothing caches: the news only is seen
             if work & CACHING:
                 hashes = self._hashes.for_step(request, written)
             else:
                 self._hashes.note(request, written)
+        if work == CACHING and self._defers and rid not in owed:
+            if hashes is not None:  # (without news the step caches nothing: nothing owed)
+                self._owe(request, computed, num_new_tokens, num_lookahead_tokens, hashes)
+            return self.empty_kv_cache_blocks  # a block filled: cached later (``_pay_owed``)
         if self._defers and not self._zeroing and self.metrics_collector is None:
             if not work & SLIDES:  # maybe only a take: owed (_owe_take)
                 taken = self._owe_take(request, state, work, computed, num_new_tokens,

@@ -28,9 +28,10 @@ _new = tuple.__new__
 class Owing(ManagerBase):
     """The owing decisions of the manager (see the module docstring)."""
 
-    def _owe(self, request: Any, computed: int, new: int, lookahead: int) -> None:
-        """Owe a call whose only work is caching the blocks it fills (see :meth:`_pay_owed`)."""
-        hashes = self._hashes.of(request)
+    def _owe(self, request: Any, computed: int, new: int, lookahead: int,
+             hashes: kf.BlockHashes) -> None:
+        """Owe a call whose only work is caching the blocks it fills, with the hashes its
+        step would cache with (``RequestHashes.for_step``; see :meth:`_pay_owed`)."""
         rid, n = request.request_id, hashes.num_blocks
         first = self._first_uncached(rid, n)
         keys = request.block_hashes[first:n]  # what it may cache (and no more: a later

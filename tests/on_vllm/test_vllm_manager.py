@@ -738,3 +738,41 @@ def test_a_model_of_windows_only_admits_with_a_prefix_hit_as_vllm() -> None:
         m.allocate_slots(b, len(prompt) + 1 - hit, hit, blocks)
 
     _both_ways((7,), scenario)
+
+
+def test_a_full_attention_hit_counts_a_block_only_when_every_full_group_caches_it() -> None:
+    """Two full-attention groups and a window: with one full group's copy of a prompt block
+    evicted (and the window's copy of an earlier one), the shared prefix boundary that a
+    lookup reports is the prefix every full-attention group caches (vLLM looks them up
+    together), not the first one's."""
+    prompt = list(range(5 * BLOCK))
+
+    def scenario(m: Any) -> None:
+        a = _started(m, "a", prompt)
+        ids = m.get_block_ids("a")
+        m.free(a)
+        m.evict_blocks({ids[2][3], ids[1][2]})  # the third group's block 3, the window's 2
+        b = make_request("b", [*prompt, 99], block_size=BLOCK)
+        m.get_computed_blocks(b)
+
+    answers = _both_ways((None, 2 * BLOCK, None), scenario)
+    lookup = [entry for entry in answers if entry[0] == "get_computed_blocks"][-1]
+    assert lookup[1][1:] == [2 * BLOCK, 3 * BLOCK]  # the window's hit; where the third
+    # group's copies stop
+
+
+def test_a_held_block_evicted_is_cached_again_by_owing_and_not_owing_managers_alike() -> None:
+    """A held block evicted lowers its request's cached count, so the next step that fills
+    nothing new looks like one that only caches: it caches nothing until news (a block
+    filled or a digest) arrives, whether the manager owes such calls or not."""
+    prompt = list(range(2 * BLOCK + 1))
+    hits = []
+    for owing in (True, False):
+        m = manager(events=False)
+        m._defers = owing
+        a = _started(m, "a", prompt)
+        m.evict_blocks({m.get_block_ids("a")[0][1]})  # a's second block, held
+        _decode(m, a)
+        hits.append(m.get_computed_blocks(make_request("b", [*prompt, 99],
+                                                       block_size=BLOCK))[1])
+    assert hits == [BLOCK, BLOCK]
