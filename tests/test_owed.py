@@ -143,7 +143,7 @@ def test_owed_calls_paid_directly_equal_the_fold(seed: int, layout: str,
     assert together == ([True] if len(state.pools) == 1 else [])  # unrecorded, one pool
 
 
-def test_owed_calls_of_both_kinds_are_served_directly_in_some_traffic() -> None:
+def test_the_random_traffic_builds_takes_caching_calls_and_slides() -> None:
     """The random traffic above does build takes, caching calls and calls that let a
     window's block go (the comparison is not of empty payments)."""
     kinds = set()

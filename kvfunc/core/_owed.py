@@ -46,7 +46,7 @@ def pay_into(tr: Transient, owed: Iterable[tuple[Any, Sequence[Sequence[int]] | 
     """Serve each owed ``(request, tables)`` on ``tr`` in order: the refused request ids.
 
     ``request`` is a :class:`SlotRequest` (any other entry form goes through the fold);
-    ``tables`` None for a call that only caches, else per group of ``tr`` the blocks it
+    ``tables`` None for a call that takes nothing, else per group of ``tr`` the blocks it
     was promised (the free queue's next ones), in group order.  A take that took other
     blocks than those promised raises :class:`~kvfunc.KVFuncError` (the caller's promise
     was wrong: ``tr`` must be aborted).

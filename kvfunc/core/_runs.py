@@ -68,8 +68,7 @@ def busy_slots(state: KVState, request_id: RequestId, computed_tokens: int, num_
                   block_hashes, sink)
     if new is None:
         return _new(Outcome, (False, state, EMPTY_DELTA, ()))
-    return _new(Outcome, (True, new, EMPTY_DELTA if new is state
-                          else None if sink is None else sink.build(), ()))
+    return _new(Outcome, (True, new, _delta(state, new, sink), ()))
 
 
 def run_batch(state: KVState, requests: Iterable[Any], record: bool) -> Outcome:
@@ -89,14 +88,14 @@ def run_batch(state: KVState, requests: Iterable[Any], record: bool) -> Outcome:
         raise InvalidTypeError(msg)
     sink = DeltaBuilder() if record else None
     new, refused = _batch(state, requests, None, 0, sink)
-    return _new(Outcome, (True, new, EMPTY_DELTA if new is state
-                          else None if sink is None else sink.build(), refused))
+    return _new(Outcome, (True, new, _delta(state, new, sink), refused))
 
 
 def run_owed(state: KVState, owed: Iterable[tuple[Any, Any]], record: bool) -> Outcome:
     """:func:`run_batch` of calls owed by ``kvfunc.vllm``, each ``(request, tables)``:
-    ``tables`` None for a call that only caches what it fills, else per group the blocks
-    promised to a call that only takes (see :mod:`kvfunc.core._owed`).
+    ``tables`` None for a call that takes nothing (it caches what it fills, lets a window's
+    blocks go, or both), else per group the blocks promised to a call that only takes (see
+    :mod:`kvfunc.core._owed`).
 
     The calls whose rows agree skip the step's planning; the others take the fold.  The
     outcome is :func:`run_batch`'s of the requests, ``delta`` as there.
@@ -114,8 +113,7 @@ def run_owed(state: KVState, owed: Iterable[tuple[Any, Any]], record: bool) -> O
                                f"{type(owed).__name__}")
     sink = DeltaBuilder() if record else None
     new, refused = _served(state, sink, pay_into, owed)
-    return _new(Outcome, (True, new, EMPTY_DELTA if new is state
-                          else None if sink is None else sink.build(), refused))
+    return _new(Outcome, (True, new, _delta(state, new, sink), refused))
 
 
 def run_free(state: KVState, request_id: RequestId, record: bool
@@ -133,7 +131,13 @@ def run_free(state: KVState, request_id: RequestId, record: bool
     check_request_id(request_id)
     sink = DeltaBuilder() if record else None
     new = _freed(state, request_id, None, None, 0, sink)
-    return new, EMPTY_DELTA if new is state else None if sink is None else sink.build()
+    return new, _delta(state, new, sink)
+
+
+def _delta(state: KVState, new: KVState, sink: DeltaBuilder | None) -> BlocksChanged | None:
+    """A transition's delta from ``state`` to ``new``: EMPTY_DELTA when nothing changed, None
+    when it was not recorded (no ``sink``)."""
+    return EMPTY_DELTA if new is state else None if sink is None else sink.build()
 
 
 _new = tuple.__new__

@@ -177,7 +177,7 @@ class Allocation(Owing):
         if new_state is state:  # refused, or nothing to do
             return self.empty_kv_cache_blocks if result.ok else self._refused(
                 request, max(0, computed - request.num_in_flight_tokens))
-        if self._takes or self._slides:  # it comes before the owed takes: it takes no block
+        if self._owes_blocks:  # it comes before the owed takes: it takes no block
             self._commit(new_state, result.delta, "allocate_slots", request,
                          (computed, written), ahead=True)
             return self.empty_kv_cache_blocks

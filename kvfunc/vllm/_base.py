@@ -100,10 +100,10 @@ class ManagerBase:
                                     list[list[int]] | tuple[()] | None]] = {}
         self._owed_keys: set[bytes] = set()  # every owed call's digests (disjoint sets)
         self._takes = 0  # blocks the owed calls take
+        self._cursor: int | None = None  # the last of them in the free queue
         self._slides = 0  # owed calls that let a window's block go
         self._freed = 0  # blocks those free
         self._letgo: dict[int, int] = {}  # block -> holders the owed slides let go
-        self._cursor: int | None = None  # the last of them in the free queue
         self._defers = enable_caching and not enable_kv_cache_events
         self._handles = Handles(layout.num_blocks, KVCacheBlock)
         self._hashes = RequestHashes(layout.block_size)
@@ -131,9 +131,16 @@ class ManagerBase:
     def _tables(self) -> kf.KVState:
         """The state whose tables are current: the owed takes done first, if any (the owed
         caching changes no table)."""
-        if self._takes or self._slides:
+        if self._owes_blocks:
             self._pay_owed()
         return self._value
+
+    @property
+    def _owes_blocks(self) -> bool:
+        """Whether owed calls take blocks or let blocks go: until they are paid, every read
+        of the tables or the free queue, and every other change, pays them first (but a step
+        that may come before them, :meth:`_ahead_of_takes`)."""
+        return bool(self._takes or self._slides)
 
     def _pay_owed(self) -> None:
         """Make the owed calls' transitions now, in the order they came: one transition.
@@ -167,20 +174,22 @@ class ManagerBase:
                           self._records)  # (a slide's ``()``: it takes nothing)
         if result.refused:  # caching takes no block, and the takes were counted: never refused
             raise kf.KVFuncError(f"the calls owed by {list(result.refused)} were refused")
-        if ((self._takes or self._slides) and result.state.pools[0].num_free
-                != self._value.pools[0].num_free - self._takes + self._freed):
+        if self._owes_blocks and result.state.pools[0].num_free != self.num_free_blocks:
             raise kf.KVFuncError("the owed calls took or let go other blocks than counted")
-        self._owed, self._owed_keys, self._takes, self._cursor = {}, set(), 0, None
-        self._slides = self._freed = 0
-        self._letgo = {}
+        self._forget_owed()
         self._commit(result.state, result.delta, "owed_calls", None,
                      tuple(e[0][:4] for e in owed.values()))
+
+    def _forget_owed(self) -> None:
+        """Owe nothing (the calls owed were paid, or the state they were owed on replaced)."""
+        self._owed, self._owed_keys, self._takes, self._cursor = {}, set(), 0, None
+        self._slides, self._freed, self._letgo = 0, 0, {}
 
     def _state_for(self, request: Any, reads_digests: bool = True) -> kf.KVState:
         """The state as a call about ``request`` sees it: the owed calls paid first when
         takes are owed, when it owes one, or (``reads_digests``) when its digests meet an
         owed one."""
-        if self._owed and (self._takes or self._slides or request.request_id in self._owed or (
+        if self._owed and (self._owes_blocks or request.request_id in self._owed or (
                 reads_digests and not self._owed_keys.isdisjoint(request.block_hashes))):
             self._pay_owed()
         return self._value
@@ -209,10 +218,7 @@ class ManagerBase:
                 "restore takes a snapshot of a manager with the same KV cache layout, got a "
                 f"state of groups {state.manager_keys} and {state.max_model_len} tokens")
         self._value = state
-        self._owed.clear()
-        self._owed_keys.clear()
-        self._takes, self._cursor, self._slides, self._freed = 0, None, 0, 0
-        self._letgo = {}
+        self._forget_owed()
         self._hashes.clear()
 
     @property
@@ -247,7 +253,7 @@ class ManagerBase:
         any other is a caller that forgot to pay them (a typed error, nothing
         changed), as is a transition without its delta while one is read.
         """
-        if (self._takes or self._slides) and not ahead:
+        if self._owes_blocks and not ahead:
             raise kf.KVFuncError(f"{call} would change the state before the owed takes")
         if delta is None:
             if self._records:

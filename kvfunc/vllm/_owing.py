@@ -23,6 +23,8 @@ from kvfunc.vllm._base import ManagerBase
 __all__ = ["Owing"]
 
 _new = tuple.__new__
+#: The digests of a call that caches nothing: no keys, none known, from position 0.
+NONE: tuple[Any, int, int] = ((), 0, 0)
 
 
 class Owing(ManagerBase):
@@ -32,15 +34,10 @@ class Owing(ManagerBase):
              hashes: kf.BlockHashes) -> None:
         """Owe a call whose only work is caching the blocks it fills, with the hashes its
         step would cache with (``RequestHashes.for_step``; see :meth:`_pay_owed`)."""
-        rid, n = request.request_id, hashes.num_blocks
-        first = self._first_uncached(rid, n)
-        keys = request.block_hashes[first:n]  # what it may cache (and no more: a later
-        # transition of the request caches past them only with digests after them)
+        keys, n, first = self._digests(request, hashes)
         if not self._owed_keys.isdisjoint(keys):  # an owed call caches one of them too
             self._pay_owed()
-        self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None, hashes,
-                                                 None)), keys, n, first, None)
-        self._owed_keys.update(keys)
+        self._note(request, computed, new, lookahead, hashes, (keys, n, first), None)
 
     def _owe_take(self, request: Any, state: kf.KVState, work: int, computed: int, new: int,
                   lookahead: int, hashes: kf.BlockHashes | None) -> Any:
@@ -73,20 +70,13 @@ class Owing(ManagerBase):
                 hashes = self._hashes.of(request)
         elif work & CACHING and self._meets(request, computed):
             return None  # its caching is ordered against the owed call's: pay first
-        keys: Any = ()  # the digests it may cache (disjoint from the other owed calls')
-        known = first = 0
-        if hashes is not None and (work & CACHING or mine is not None):
-            known = hashes.num_blocks
-            first = self._first_uncached(rid, known)
-            keys = request.block_hashes[first:known]
+        digests = (self._digests(request, hashes)  # (disjoint from the other owed calls')
+                   if hashes is not None and (work & CACHING or mine is not None) else NONE)
         tables, at = [], 0
         for need in needs:
             tables.append(ids[at:at + need])
             at += need
-        self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None,
-                                                 hashes if keys else None, None)),
-                           keys, known, first, tables)  # no digest to cache: no hashes
-        self._owed_keys.update(keys)
+        self._note(request, computed, new, lookahead, hashes, digests, tables)
         self._takes += n
         self._cursor = ids[-1]
         return self._blocks_type(tuple(map(self._handles.blocks, tables)))
@@ -110,21 +100,13 @@ class Owing(ManagerBase):
         plan = lane_plan(state.groups, rid, computed, computed + new + lookahead)
         if plan is None or any(need or front for need, front in plan):
             return False
-        keys: Any = ()
-        known = first = 0
-        if hashes is not None and work & CACHING:
-            known = hashes.num_blocks
-            first = self._first_uncached(rid, known)
-            keys = request.block_hashes[first:known]
-            if not self._owed_keys.isdisjoint(keys):
-                return False  # its caching is ordered against the owed call's: pay first
+        digests = self._digests(request, hashes) if hashes is not None and work & CACHING else NONE
+        if not self._owed_keys.isdisjoint(digests[0]):
+            return False  # its caching is ordered against the owed call's: pay first
         blocks = slid_blocks(state, rid, computed)
         if blocks is None:
             return False
-        self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None,
-                                                 hashes if keys else None, None)),
-                           keys, known, first, ())  # ``()``: a slide, which takes nothing
-        self._owed_keys.update(keys)
+        self._note(request, computed, new, lookahead, hashes, digests, ())  # a slide: ``()``
         self._slides += 1
         letgo = self._letgo
         for b, holders in blocks:  # the holders it leaves, after the owed slides before it
@@ -132,6 +114,27 @@ class Owing(ManagerBase):
             self._freed += holders - n == 1
             letgo[b] = n + 1
         return True
+
+    def _digests(self, request: Any, hashes: kf.BlockHashes) -> tuple[Any, int, int]:
+        """``(keys, known, first)``: the digests a step of ``request`` with ``hashes`` may
+        cache (positions ``first`` to ``known``, its first uncached one to the hashes' end),
+        and no more: a later transition of the request caches past them only with digests
+        after them."""
+        known = hashes.num_blocks
+        first = self._first_uncached(request.request_id, known)
+        return request.block_hashes[first:known], known, first
+
+    def _note(self, request: Any, computed: int, new: int, lookahead: int,
+              hashes: kf.BlockHashes | None, digests: tuple[Any, int, int], tables: Any
+              ) -> None:
+        """Owe the call: its entry (hashes only when it has digests to cache), its digests
+        (:meth:`_digests`) and what it takes (a take's tables, ``()`` for a slide, None)."""
+        keys, known, first = digests
+        rid = request.request_id
+        self._owed[rid] = (_new(kf.SlotRequest, (rid, computed, new, lookahead, 0, None,
+                                                 hashes if keys else None, None)),
+                           keys, known, first, tables)
+        self._owed_keys.update(keys)
 
     def _first_uncached(self, rid: Any, limit: int) -> int:
         """The first position, at most ``limit``, that some group of ``rid`` has not cached
@@ -158,7 +161,7 @@ class Owing(ManagerBase):
         below the owed blocks (a block copied on write is cached again), or a digest after
         the owed ones is owed by another call.
         """
-        if (self._takes or self._slides) and not self._ahead_of_takes(request, computed, total):
+        if self._owes_blocks and not self._ahead_of_takes(request, computed, total):
             self._pay_owed()
             return False
         mine = self._owed.get(request.request_id)

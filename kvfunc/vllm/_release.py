@@ -50,8 +50,7 @@ class Release(ManagerBase):
         """
         ids = [block.block_id for block in ordered_blocks if not block.is_null]
         if ids:
-            owes = self._takes or self._slides
-            state, delta = kf.free_detached(self._state if owes else self._value,
+            state, delta = kf.free_detached(self._state if self._owes_blocks else self._value,
                                             {self._layout.keys[0]: ids})
             self._commit(state, delta, "free_detached", None, (tuple(ids),))
 
@@ -91,7 +90,7 @@ class Release(ManagerBase):
                               num_prompt_tokens: int | None = None) -> None:
         """Free the blocks that slid out of the request's windows."""
         state = self._value
-        if self._takes or self._slides or request_id in self._owed:  # what is owed is done first
+        if self._owes_blocks or request_id in self._owed:  # what is owed is done first
             state = self._state
         if state.group(self._layout.keys[0]).row(request_id) is None:
             return
