@@ -43,7 +43,7 @@ import torch
 from kvfunc.core import BlockIndexError, InvalidArgumentError, InvalidTypeError
 from kvfunc.shell._blocks import TensorSet, _named
 from kvfunc.shell._device import DeviceError
-from kvfunc.shell._tensors import HUGE_PAGE_BYTES, cpu_bytes
+from kvfunc.shell._tensors import HUGE_PAGE_BYTES, block_pages, cpu_bytes
 
 __all__ = ["HostBlockPool", "Region"]
 
@@ -96,20 +96,6 @@ def check_device_tensors(named: list[tuple[str, torch.Tensor]]) -> torch.device:
         if block_bytes_of(t) == 0:
             raise InvalidArgumentError(f"blocks of {name} are empty (shape {list(t.shape)})")
     return device
-
-
-def _block_stride(named: list[tuple[str, torch.Tensor]], offsets: tuple[int, ...],
-                  block_bytes: int) -> int:
-    """Bytes from one block to the next in the block layout: ``block_bytes`` rounded up to
-    the largest element size, so that every tensor's view keeps its alignment."""
-    for (name, t), off in zip(named, offsets, strict=True):
-        if off % t.element_size():
-            msg = (f"in the block layout {name} would start at byte {off} of a block, not a "
-                   f"multiple of its element size {t.element_size()}; order the tensors by "
-                   "element size or use layout='layer'")
-            raise InvalidArgumentError(msg)
-    size = max(t.element_size() for _, t in named)
-    return -(-block_bytes // size) * size
 
 
 def _fingerprint(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -186,11 +172,10 @@ class HostBlockPool:
         pinned = device.type == "cuda"
         stride = 0
         if layout == "block":
-            stride = _block_stride(named, offsets, sum(parts))
-            buffers: tuple[torch.Tensor, ...] = (_host_bytes(num_blocks * stride, pinned),)
-            rows = buffers[0].view(num_blocks, stride)
-            tensors = tuple(rows[:, off:off + n].view(t.dtype).view(num_blocks, *t.shape[1:])
-                            for (_, t), off, n in zip(named, offsets, parts, strict=True))
+            buffer, stride, tensors = block_pages(
+                [(name, t.dtype, tuple(t.shape[1:])) for name, t in named], num_blocks,
+                lambda nbytes: _host_bytes(nbytes, pinned))
+            buffers: tuple[torch.Tensor, ...] = (buffer,)
         else:
             buffers = tuple(_host_bytes(num_blocks * n, pinned) for n in parts)
             tensors = tuple(b.view(t.dtype).view(num_blocks, *t.shape[1:])

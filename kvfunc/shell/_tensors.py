@@ -27,13 +27,28 @@ sliced), as the seed's do.  ``swapped_memory`` tensors live in host memory
 the device can address: ``torch_npu.empty_with_swapped_memory`` on an NPU,
 pinned (page-locked, device-mapped) host memory for CUDA, and ordinary host
 memory on the CPU.
+
+Two layouts of a group's tensors (``layout=`` of :func:`create_cache_tensors`
+and :func:`with_cache_tensors`; the host pool's ``layer`` and ``block``)::
+
+    layout="layer"   one allocation per tensor, blocks consecutive in it
+    layout="block"   one allocation per group (manager key): page b holds
+                     block b of each of the group's tensors, side by side,
+                     in order (:func:`block_pages`)
+
+In the block layout ``tensor[b]`` is still block ``b`` of each tensor (a view
+whose first stride is the page), and the page as a whole is one contiguous
+region: a move between such a cache and a host pool of the block layout
+copies whole pages (:class:`~kvfunc.shell.BlockMover`), far fewer and larger
+copies when blocks are small.  The group's buffer, not each tensor, starts
+at the 2 MiB boundary.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import torch
@@ -59,8 +74,10 @@ from kvfunc.shell._device import (
 
 __all__ = [
     "ALIGNMENT_BYTES",
+    "CACHE_LAYOUTS",
     "HUGE_PAGE_BYTES",
     "CacheTensorSpec",
+    "block_pages",
     "cache_tensors_by_key",
     "cpu_bytes",
     "create_cache_tensors",
@@ -73,6 +90,7 @@ __all__ = [
 ALIGNMENT_BYTES = 2 * 1024 * 1024
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 _LAYOUTS = ["BnBsND", "BnNBsD"]
+CACHE_LAYOUTS = ("layer", "block")
 
 
 @attrs.frozen(slots=True)
@@ -277,9 +295,67 @@ def empty_host_addressable(shape: tuple[int, ...], dtype: torch.dtype,
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def create_cache_tensors(specs: list[CacheTensorSpec], device: DeviceLike
-                         ) -> list[torch.Tensor]:
+def block_pages(parts: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], num_blocks: int,
+                alloc: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, int,
+                                                               tuple[torch.Tensor, ...]]:
+    """Tensors laid out block-major in one buffer: ``(buffer, page stride, views)``.
+
+    ``parts`` gives each tensor's name, dtype and block shape, in order.
+    Page ``b`` of the buffer holds block ``b`` of every tensor side by side,
+    in order, without padding between them; the page stride is their bytes
+    rounded up to the largest element size.  ``alloc(nbytes)`` returns the
+    ``uint8`` buffer (contiguous, at least ``num_blocks * stride`` bytes).
+
+    Raises:
+        InvalidArgumentError: no parts, a negative ``num_blocks``, or a part
+            whose offset in the page is not a multiple of its element size.
+
+    >>> parts = [("k", torch.float16, (4, 2)), ("v", torch.float16, (4, 2))]
+    >>> buf, stride, (k, v) = block_pages(parts, 3, lambda n: torch.zeros(n, dtype=torch.uint8))
+    >>> stride, k.shape, k.stride(), v.data_ptr() - k.data_ptr()
+    (32, torch.Size([3, 4, 2]), (16, 2, 1), 16)
+    """
+    if not parts:
+        raise InvalidArgumentError("block_pages needs at least one tensor")
+    if type(num_blocks) is not int or num_blocks < 0:
+        raise InvalidArgumentError(f"num_blocks must be an int >= 0, but got {num_blocks!r}")
+    offsets, sizes, at = [], [], 0
+    for name, dtype, shape in parts:
+        size = torch.empty((), dtype=dtype).element_size()
+        if at % size:
+            msg = (f"in the block layout {name} would start at byte {at} of a block, not a "
+                   f"multiple of its element size {size}; order the tensors by element size "
+                   "or use layout='layer'")
+            raise InvalidArgumentError(msg)
+        offsets.append(at)
+        sizes.append(size)
+        at += _numel(shape) * size
+    stride = -(-at // max(sizes)) * max(sizes)
+    buffer = alloc(num_blocks * stride)
+    rows = buffer[:num_blocks * stride].view(num_blocks, stride)
+    views = tuple(rows[:, off:off + _numel(shape) * size].view(dtype).view(num_blocks, *shape)
+                  for (_, dtype, shape), off, size in zip(parts, offsets, sizes, strict=True))
+    return buffer, stride, views
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def create_cache_tensors(specs: list[CacheTensorSpec], device: DeviceLike, *,
+                         layout: str = "layer") -> list[torch.Tensor]:
     """Allocate one tensor per spec, in order (HBM aligned, swapped host-addressable).
+
+    With ``layout="block"`` the specs of one manager key that are not
+    swapped share one allocation, block-major (module docstring).
+
+    Raises:
+        InvalidArgumentError: an unknown layout; in the block layout, specs
+            of one manager key with different block counts, or a part that
+            would be misaligned (:func:`block_pages`).
 
     >>> from kvfunc.core import CacheEntry, LayerCacheInfo, ModelCacheInfo
     >>> e = CacheEntry("k", "FullAttention", 8, 2, "fp32", True, block_size=4)
@@ -287,25 +363,54 @@ def create_cache_tensors(specs: list[CacheTensorSpec], device: DeviceLike
     ...                            {"FullAttention": 3})
     >>> [t.shape for t in create_cache_tensors(specs, "cpu")]
     [torch.Size([3, 4, 2, 8])]
+    >>> specs = plan_cache_tensors(ModelCacheInfo(1, [LayerCacheInfo(0, [e]),
+    ...                                               LayerCacheInfo(1, [e])]),
+    ...                            {"FullAttention": 3})
+    >>> a, b = create_cache_tensors(specs, "cpu", layout="block")
+    >>> a.shape, a.stride(0), b.data_ptr() - a.data_ptr()
+    (torch.Size([3, 4, 2, 8]), 128, 256)
     """
+    if type(layout) is not str or layout not in CACHE_LAYOUTS:
+        msg = f"unknown layout {layout!r}; expected one of {CACHE_LAYOUTS}"
+        raise InvalidArgumentError(msg)
     dev = resolve_device(device)
-    return [empty_host_addressable(s.shape, s.dtype, dev)
+    paged: dict[str, list[int]] = {}
+    if layout == "block":
+        for i, s in enumerate(specs):
+            if s.allocator is not CacheAllocator.SWAPPED_MEMORY:
+                paged.setdefault(s.entry.group_key, []).append(i)
+    views: dict[int, torch.Tensor] = {}
+    for key, idx in paged.items():
+        counts = {specs[i].shape[0] for i in idx}
+        if len(counts) != 1:
+            msg = f"the specs of manager_key={key} have different block counts {sorted(counts)}"
+            raise InvalidArgumentError(msg)
+        parts = [(f"layer {specs[i].layer_idx} {specs[i].entry.cache_name}", specs[i].dtype,
+                  specs[i].shape[1:]) for i in idx]
+        _, _, made = block_pages(parts, counts.pop(),
+                                 lambda n: empty_aligned((n,), torch.uint8, dev))
+        views.update(zip(idx, made, strict=True))
+    return [views[i] if i in views
+            else empty_host_addressable(s.shape, s.dtype, dev)
             if s.allocator is CacheAllocator.SWAPPED_MEMORY
-            else empty_aligned(s.shape, s.dtype, dev) for s in specs]
+            else empty_aligned(s.shape, s.dtype, dev) for i, s in enumerate(specs)]
 
 
 def with_cache_tensors(cache_info: ModelCacheInfo, block_num_by_type: Mapping[str, int],
-                       device: DeviceLike = "auto") -> ModelCacheInfo:
+                       device: DeviceLike = "auto", *, layout: str = "layer"
+                       ) -> ModelCacheInfo:
     """A new ``ModelCacheInfo`` whose paged entries carry freshly allocated tensors.
 
     The pure twin of ``kvfunc.compat.allocate_cache_tensors``: the input
     records are left as they were, no ``tensor_setter`` is required or
     called, and an entry object used by several layers gets one tensor per
-    use.  Tensors are uninitialised.
+    use.  Tensors are uninitialised.  ``layout`` is as in
+    :func:`create_cache_tensors`.
 
     Raises:
         InvalidCacheInfo, MissingKeyError, InvalidArgumentError: as
-            :func:`plan_cache_tensors`, before anything is allocated.
+            :func:`plan_cache_tensors` and :func:`create_cache_tensors`,
+            before anything is allocated.
 
     >>> from kvfunc.core import CacheEntry, LayerCacheInfo, ModelCacheInfo
     >>> e = CacheEntry("k", "FullAttention", 8, 2, "fp16", True, block_size=4)
@@ -315,7 +420,7 @@ def with_cache_tensors(cache_info: ModelCacheInfo, block_num_by_type: Mapping[st
     (torch.Size([5, 4, 2, 8]), None, True)
     """
     specs = plan_cache_tensors(cache_info, block_num_by_type)
-    tensors = iter(create_cache_tensors(specs, device))
+    tensors = iter(create_cache_tensors(specs, device, layout=layout))
     layers = []
     for layer in cache_info.layer_infos:
         caches = tuple(attrs.evolve(e, tensor=next(tensors)) if e.needs_block else e

@@ -120,8 +120,10 @@ def pool_sizes(plan: list[Step], next_n: int, layout: str = "per-type") -> dict[
 class PureEngine:
     """Allocation with the pure API; tables from a delta-driven BlockTableBuffer."""
 
+    LAYOUT = "layer"  # of the cache tensors
+
     def __init__(self, model: TinyDecoder, pools: dict[str, int]) -> None:
-        info = with_cache_tensors(model.cache_info(), pools, "cpu")
+        info = with_cache_tensors(model.cache_info(), pools, "cpu", layout=self.LAYOUT)
         model.bind_caches(info)
         self.state = kf.KVState.from_cache_info(info, pools, CONFIG.max_model_len)
         self.buffer = BlockTableBuffer.from_state(self.state, max_num_requests=8)
@@ -142,6 +144,13 @@ class PureEngine:
 
     def blocks(self, rid: str) -> dict[str, tuple[int, ...]]:
         return kf.get_block_ids(self.state, rid)
+
+
+class BlockMajorEngine(PureEngine):
+    """The pure engine over caches laid out block-major: one buffer per group, a block of
+    every layer side by side."""
+
+    LAYOUT = "block"
 
 
 class CompatEngine:
@@ -213,7 +222,8 @@ def run(engine_cls: type[PureEngine | CompatEngine], next_n: int) -> dict[str, s
 
 
 @pytest.mark.parametrize("next_n", [0, 2], ids=["decode", "mtp-lookahead"])
-@pytest.mark.parametrize("engine_cls", [PureEngine, CompatEngine], ids=["buffer", "compat"])
+@pytest.mark.parametrize("engine_cls", [PureEngine, BlockMajorEngine, CompatEngine],
+                         ids=["buffer", "block-major", "compat"])
 def test_paged_logits_equal_dense_logits(engine_cls: type[PureEngine | CompatEngine],
                                          next_n: int) -> None:
     """Paged prefill + 64 decode steps match dense attention; newcomers reuse freed blocks."""

@@ -6,6 +6,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -27,7 +28,13 @@ from kvfunc.compat import (
     allocate_cache_tensors,
     create_single_type_managers,
 )
-from kvfunc.shell import ALIGNMENT_BYTES, cache_tensors_by_key, with_cache_tensors
+from kvfunc.shell import (
+    ALIGNMENT_BYTES,
+    cache_tensors_by_key,
+    create_cache_tensors,
+    plan_cache_tensors,
+    with_cache_tensors,
+)
 
 MiB2 = 2 * 1024 * 1024
 
@@ -162,6 +169,52 @@ def test_with_cache_tensors_returns_new_records_and_leaves_the_input_alone() -> 
     assert tensors[0] is not tensors[1]
     assert {"FullAttention": ["layer 0 k", "layer 1 k"]} == {
         k: list(v) for k, v in cache_tensors_by_key(new).items()}
+
+
+def test_the_block_layout_puts_a_blocks_parts_side_by_side_one_buffer_per_key() -> None:
+    """layout="block": per manager key one aligned buffer of pages, each page block b of every
+    tensor of that key in order; swapped entries and other keys get tensors of their own."""
+    swa = entry("s", "SlidingWindow", sliding_window=8)
+    info = info_of([entry("k"), entry("v", dtype="fp32", dim=4), swa],
+                   [entry("k"), entry("x", allocator=CacheAllocator.SWAPPED_MEMORY)])
+    layer = with_cache_tensors(info, {"FullAttention": 5, "SlidingWindow": 3}, "cpu")
+    block = with_cache_tensors(info, {"FullAttention": 5, "SlidingWindow": 3}, "cpu",
+                               layout="block")
+    got = [c.tensor for _, c in block.iter_caches()]
+    want = [c.tensor for _, c in layer.iter_caches()]
+    assert [(t.shape, t.dtype) for t in want] == [(t.shape, t.dtype) for t in got]
+    k0, v0, s0, k1, x1 = got
+    part = [t[0].numel() * t.element_size() for t in (k0, v0, k1)]  # 128, 128, 128 bytes
+    page = sum(part)
+    assert [page] * 3 == [t.stride(0) * t.element_size() for t in (k0, v0, k1)]
+    assert [part[0], part[0] + part[1]] == [v0.data_ptr() - k0.data_ptr(),
+                                            k1.data_ptr() - k0.data_ptr()]
+    assert 0 == k0.data_ptr() % ALIGNMENT_BYTES
+    assert all(t.is_contiguous() for t in (s0, x1))
+    assert all(t.untyped_storage().data_ptr() != k0.untyped_storage().data_ptr()
+               for t in (s0, x1))
+    for b in range(5):  # writing one block of one tensor touches nothing else
+        before = [t.clone() for t in (k0, v0, k1)]
+        v0[b].fill_(7.0)
+        assert torch.equal(before[0], k0) and torch.equal(before[2], k1)
+        assert bool((v0[b] == 7.0).all())
+
+
+def test_the_block_layout_refuses_what_it_cannot_lay_out() -> None:
+    """An unknown layout, one key's specs of different block counts, and a part whose offset
+    would break its alignment are InvalidArgumentErrors."""
+    info = info_of([entry("k")])
+    with pytest.raises(InvalidArgumentError, match="unknown layout 'page'"):
+        with_cache_tensors(info, {"FullAttention": 3}, "cpu", layout="page")
+    specs = plan_cache_tensors(info_of([entry("k")], [entry("k")]), {"FullAttention": 3})
+    short = [specs[0], attrs.evolve(specs[1], shape=(2, *specs[1].shape[1:]))]
+    with pytest.raises(InvalidArgumentError, match="different block counts"):
+        create_cache_tensors(short, "cpu", layout="block")
+    odd = info_of([entry("a", dim=3, num_head=1, block_size=1), entry("b", dtype="fp32")])
+    with pytest.raises(InvalidArgumentError, match="layer 0 b would start at byte 6"):
+        with_cache_tensors(odd, {"FullAttention": 3}, "cpu", layout="block")
+    assert with_cache_tensors(odd, {"FullAttention": 3}, "cpu").layer_infos[0].caches[1].tensor \
+        is not None
 
 
 def test_cache_tensors_by_key_needs_tensors() -> None:
