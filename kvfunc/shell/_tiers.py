@@ -20,10 +20,18 @@ in the order of ``layers``:
   store wrote).  Pairs are grouped into few large copies
   (:func:`~kvfunc.shell._move_plan.plan_move`): slices for runs of
   consecutive ids, one indexed read into a slice or one indexed write from a
-  slice when one side is consecutive, and only when both sides are scattered
-  a copy per block (a per-block byte copy for blocks of at least
-  ``ROW_COPY_MIN_BYTES``, below that one gather and one scatter through a
-  temporary, since the per-copy cost would dominate);
+  slice when one side is consecutive, and a byte copy per block when both
+  sides are scattered, when the indexed copies would average fewer than
+  ``ROWS_PER_INDEXED_COPY`` blocks, or for a gather of blocks of
+  ``LARGE_ROW_BYTES`` or more (blocks under ``ROW_COPY_MIN_BYTES`` scattered
+  on both sides go through a temporary instead, one gather and one scatter,
+  since the per-copy cost would dominate).  When both sides keep
+  a block's parts side by side, in the same order (a cache made with
+  ``layout="block"``, :func:`~kvfunc.shell.create_cache_tensors`, and a
+  pool of the block layout), a block of every tensor is one page
+  (:func:`pages_of`) and the move copies pages, all tensors at once: a
+  sixteenth of the copies for sixteen tensors, each sixteen times larger.
+  Every layer is then done when the whole move is;
 * on CUDA, on a side stream that first waits for the current stream (a store
   reads what the compute wrote), as one asynchronous copy per run of
   consecutive ids (per block where the host's block layout strides the
@@ -60,7 +68,13 @@ from kvfunc.shell._move_plan import MovePlan, plan_move, row_runs
 __all__ = ["BlockMover"]
 
 DIRECTIONS = ("store", "load")
+#: below this many bytes a row, scattered rows go through a temporary (one gather, one scatter)
 ROW_COPY_MIN_BYTES = 4096
+#: an indexed copy (gather or scatter) beats copying its rows one by one from this many rows
+#: a copy on average, but a gather of rows of LARGE_ROW_BYTES or more never does
+#: (``benchmarks/README.md``, "bench_tiers")
+ROWS_PER_INDEXED_COPY = 8
+LARGE_ROW_BYTES = 65536
 
 
 class _Bytes:
@@ -89,13 +103,47 @@ class _Bytes:
         return self.row_stride != self.row_bytes
 
 
+def pages_of(side: list[_Bytes]) -> _Bytes | None:
+    """A CPU side's blocks as whole pages, if its tensors' blocks lie side by side.
+
+    That is: every tensor is a view of one storage with one first stride and
+    as many blocks, and block ``b`` of tensor ``i + 1`` starts where block
+    ``b`` of tensor ``i`` ends (a block-major cache, a host pool of the block
+    layout).  The page is then the bytes of block ``b`` of every tensor,
+    nothing else, so copying pages copies exactly the tensors' blocks.
+    """
+    first = side[0]
+    t0, n = first.tensor, first.tensor.shape[0]
+    if len(side) < 2 or t0.device.type != "cpu" or not n:
+        return None
+    storage = t0.untyped_storage()
+    start = at = t0.storage_offset() * t0.element_size()
+    for b in side:
+        t = b.tensor
+        if (t.untyped_storage().data_ptr() != storage.data_ptr() or t.shape[0] != n
+                or (n > 1 and b.row_stride != first.row_stride)  # one block: any stride
+                or t.storage_offset() * t.element_size() != at):
+            return None
+        at += b.row_bytes
+    stride = first.row_stride if n > 1 else at - start
+    if at - start > stride:
+        return None
+    rows = torch.empty(0, dtype=torch.uint8).set_(storage, start, (n, at - start), (stride, 1))
+    return _Bytes(rows)
+
+
 def copy_rows_cpu(plan: MovePlan, src: _Bytes, dst: _Bytes) -> None:
     """Perform ``plan`` from ``src`` to ``dst``, both CPU byte matrices of equal row size."""
     sn, dn = src.np, dst.np
     assert sn is not None and dn is not None
+    rb = src.row_bytes
     if plan.kind == "runs":
         for s, d, n, _ in plan.segments:
             dn[d:d + n] = sn[s:s + n]
+    elif rb >= ROW_COPY_MIN_BYTES and (
+            plan.kind == "scattered" or (plan.kind == "gather" and rb >= LARGE_ROW_BYTES)
+            or len(plan.src_ids) < ROWS_PER_INDEXED_COPY * len(plan.segments)):
+        _copy_each_row(plan, src, dst)  # scattered, or indexed copies that would not pay
     elif plan.kind == "gather":
         for _, d, n, ids in plan.segments:
             assert ids is not None
@@ -103,8 +151,6 @@ def copy_rows_cpu(plan: MovePlan, src: _Bytes, dst: _Bytes) -> None:
     elif plan.kind == "scatter":
         for s, _, n, ids in plan.segments:
             dn[ids] = sn[s:s + n]
-    elif src.row_bytes >= ROW_COPY_MIN_BYTES:
-        _copy_each_row(plan, src, dst)
     else:
         dn[plan.dst_ids] = sn[plan.src_ids]
 
@@ -185,6 +231,11 @@ class BlockMover:
                      min((b.tensor.shape[0] for b in side), default=0)) for side in (device, host))
         #: direction -> (source side, destination side, and what each side's ids are checked on)
         self._routes = {"store": (device, host, dev, hst), "load": (host, device, hst, dev)}
+        #: on the CPU, both sides as whole pages when both lay their blocks out side by side
+        dpage, hpage = (None, None) if cuda else (pages_of(device), pages_of(host))
+        self._pages: dict[str, tuple[list[_Bytes], list[_Bytes]]] | None = None
+        if dpage is not None and hpage is not None:
+            self._pages = {"store": ([dpage], [hpage]), "load": ([hpage], [dpage])}
         self._worker: MoveWorker | None = None
         self._stream: Any = None
         self._lock = threading.Lock()
@@ -265,7 +316,11 @@ class BlockMover:
                 # A mover dropped without close() still ends its thread.
                 weakref.finalize(self, self._worker.stop, False)
             handle = MoveHandle(len(self._layers), worker=self._worker)
-            self._worker.submit(partial(_run_cpu, handle, plan, srcs, dsts, self._layers))
+            layers = self._layers
+            if self._pages is not None:  # one copy of whole pages, then every layer is done
+                srcs, dsts = self._pages[direction]
+                layers = [[0]] + [[] for _ in layers[1:]]
+            self._worker.submit(partial(_run_cpu, handle, plan, srcs, dsts, layers))
             return handle
 
     def _move_cuda(self, plan: MovePlan, srcs: list[_Bytes], dsts: list[_Bytes]

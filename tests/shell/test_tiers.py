@@ -14,9 +14,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfunc.core import BlockIndexError, InvalidArgumentError, InvalidTypeError
-from kvfunc.shell import BlockMover, DeviceError, HostBlockPool, MoveHandle
+from kvfunc.shell import BlockMover, DeviceError, HostBlockPool, MoveHandle, _tiers
 from kvfunc.shell._move_plan import Segment, plan_move, row_runs
-from kvfunc.shell._tiers import ROW_COPY_MIN_BYTES, copy_rows_cuda
+from kvfunc.shell._tensors import block_pages
+from kvfunc.shell._tiers import (
+    LARGE_ROW_BYTES,
+    ROW_COPY_MIN_BYTES,
+    ROWS_PER_INDEXED_COPY,
+    copy_rows_cuda,
+)
 
 
 def cache(num_blocks: int, shapes: list[tuple[int, ...]], seed: int = 0,
@@ -92,6 +98,136 @@ def test_moves_equal_an_indexed_copy(move: tuple[int, int, list[int], list[int]]
         mover.close()
     assert all(torch.equal(w, as_bytes(d)) for w, (_, d) in zip(want, pairs, strict=True))
     assert all(torch.equal(b, as_bytes(s)) for b, (s, _) in zip(before_src, pairs, strict=True))
+
+
+def block_major(num_blocks: int, shapes: list[tuple[int, ...]], seed: int = 0,
+                dtypes: tuple[torch.dtype, ...] = (torch.float16,)) -> dict[str, torch.Tensor]:
+    """:func:`cache`'s tensors, laid out block-major in one buffer (as ``layout="block"``)."""
+    src = cache(num_blocks, shapes, seed, dtypes)
+    parts = [(name, t.dtype, tuple(t.shape[1:])) for name, t in src.items()]
+    _, _, views = block_pages(parts, num_blocks, lambda n: torch.zeros(n, dtype=torch.uint8))
+    for v, t in zip(views, src.values(), strict=True):
+        v.copy_(t)
+    return dict(zip(src, views, strict=True))
+
+
+@given(moves(), st.sampled_from(["store", "load"]),
+       st.sampled_from([[(4, 2), (4, 2)], [(2, 8), (3,), (5,)], [(1024, 8), (512, 8)],
+                        [(4096, 4), (4096, 4)]]))
+def test_moves_of_whole_pages_equal_an_indexed_copy(
+        move: tuple[int, int, list[int], list[int]], direction: str,
+        shapes: list[tuple[int, ...]]) -> None:
+    """A block-major cache and a pool of the block layout move whole pages: every plan, small
+    and large pages, writes dst[d[i]] = src[s[i]] of every tensor and no more."""
+    num_src, num_dst, src_ids, dst_ids = move
+    num_dev, num_host = (num_src, num_dst) if direction == "store" else (num_dst, num_src)
+    dev = block_major(num_dev, shapes, seed=2, dtypes=(torch.float16, torch.float32))
+    host = HostBlockPool.like(dev, num_host, layout="block")
+    host.buffers[0].copy_(torch.randint(0, 256, host.buffers[0].shape, dtype=torch.uint8))
+    pairs = list(zip(dev.values(), host.tensors, strict=True))
+    if direction == "load":
+        pairs = [(h, d) for d, h in pairs]
+    want = [expected_after(d, s, src_ids, dst_ids) for s, d in pairs]
+    before_src = [as_bytes(s) for s, _ in pairs]
+    mover = BlockMover.create(dev, host)
+    try:
+        assert mover._pages is not None
+        handle = mover.move(direction, src_ids, dst_ids)
+        assert handle.wait(30) and all(layer.done() for layer in handle.layers)
+    finally:
+        mover.close()
+    assert all(torch.equal(w, as_bytes(d)) for w, (_, d) in zip(want, pairs, strict=True))
+    assert all(torch.equal(b, as_bytes(s)) for b, (s, _) in zip(before_src, pairs, strict=True))
+
+
+def test_pages_are_copied_only_where_both_sides_lay_the_same_parts_side_by_side(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One copy a move for a block-major cache and a block pool; a copy per tensor for a pool
+    of the layer layout, tensors in another order, a gap between them, or separate tensors; a
+    tensor in the gap is never written."""
+    calls: list[int] = []
+    real = _tiers.copy_rows_cpu
+    monkeypatch.setattr(_tiers, "copy_rows_cpu", lambda *a: calls.append(1) or real(*a))
+    dev = block_major(6, [(8,), (4,), (8,)], seed=4)
+    gap = {"t0": dev["t0"], "t2": dev["t2"]}
+    reordered = {"t1": dev["t1"], "t0": dev["t0"]}
+    copied = {k: t.clone() for k, t in dev.items()}
+    shorter = {"t0": dev["t0"], "t1": dev["t1"][:5], "t2": dev["t2"]}
+    cases = [(dev, "block", 1), (dev, "layer", 3), (reordered, "block", 2), (gap, "block", 2),
+             (copied, "block", 3), (shorter, "block", 3)]
+    for tensors, layout, copies in cases:
+        host = HostBlockPool.like(tensors, 4, layout=layout)
+        mover = BlockMover.create(tensors, host)
+        try:
+            calls.clear()
+            assert mover.store([4, 1, 3], [0, 3, 2]).wait(30)
+            assert copies == len(calls)
+            assert all(torch.equal(as_bytes(h)[[0, 3, 2]], as_bytes(t)[[4, 1, 3]])
+                       for t, h in zip(tensors.values(), host.tensors, strict=True))
+            middle = as_bytes(dev["t1"])
+            for t in host.tensors:
+                t.view(torch.uint8).fill_(9)
+            assert mover.load([0, 3], [2, 4]).wait(30)
+            assert torch.equal(middle, as_bytes(dev["t1"])) or "t1" in tensors
+            assert all(bool((t[[2, 4]].view(torch.uint8) == 9).all()) for t in tensors.values())
+        finally:
+            mover.close()
+
+
+def test_tensors_whose_blocks_overlap_the_next_block_are_copied_tensor_by_tensor() -> None:
+    """Parts side by side that reach past the next block's start are no pages: a load writes
+    each tensor in turn, as an indexed copy of each would."""
+    buf = torch.zeros(6 * 16, dtype=torch.uint8)
+    t0 = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage(), 0, (5, 8), (16, 1))
+    t1 = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage(), 8, (5, 16), (16, 1))
+    host = HostBlockPool.like([t0, t1], 2, layout="block")
+    host.tensors[0].copy_(torch.tensor([[1] * 8, [2] * 8], dtype=torch.uint8))
+    host.tensors[1].copy_(torch.tensor([[3] * 16, [4] * 16], dtype=torch.uint8))
+    want = buf.clone()
+    for i, t in enumerate((t0, t1)):
+        view = torch.empty(0, dtype=torch.uint8).set_(want.untyped_storage(), t.storage_offset(),
+                                                      t.shape, t.stride())
+        view[[0, 1]] = host.tensors[i][[0, 1]]
+    mover = BlockMover.create([t0, t1], host)
+    try:
+        assert mover.load([0, 1], [0, 1]).wait(30)
+    finally:
+        mover.close()
+    assert torch.equal(want, buf)
+
+
+def test_short_indexed_copies_and_large_rows_go_row_by_row(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks scattered on both sides, a gather or scatter whose copies average fewer than
+    ROWS_PER_INDEXED_COPY rows, or a gather of rows of LARGE_ROW_BYTES, copy row by row (rows
+    of ROW_COPY_MIN_BYTES and more); a long gather of smaller rows, or a long scatter of large
+    ones, is one indexed copy."""
+    rows: list[int] = []
+    real = _tiers._copy_each_row
+    monkeypatch.setattr(_tiers, "_copy_each_row", lambda *a: rows.append(1) or real(*a))
+    n = ROWS_PER_INDEXED_COPY
+    long_src, short_src = list(range(2 * n, 0, -2)), [9, 2, 7, 4]
+    long_dst, short_dst = list(range(n)), [0, 1, 5, 6]
+    cases = [(ROW_COPY_MIN_BYTES, long_src, long_dst, "gather", 0),
+             (ROW_COPY_MIN_BYTES, short_src, short_dst, "gather", 1),
+             (LARGE_ROW_BYTES, long_src, long_dst, "gather", 1),
+             (ROW_COPY_MIN_BYTES // 2, short_src, short_dst, "gather", 0),
+             (LARGE_ROW_BYTES, long_dst, long_src, "scatter", 0),
+             (ROW_COPY_MIN_BYTES, short_dst, short_src, "scatter", 1),
+             (ROW_COPY_MIN_BYTES, short_src, [3, 0, 8, 5], "scattered", 1),
+             (ROW_COPY_MIN_BYTES // 2, short_src, [3, 0, 8, 5], "scattered", 0)]
+    for row_bytes, src, dst, kind, by_row in cases:
+        assert kind == plan_move(np.array(src), np.array(dst)).kind
+        dev = cache(2 * n + 1, [(row_bytes // 2,)], seed=5)
+        host = HostBlockPool.like(dev, 2 * n + 1)
+        mover = BlockMover.create(dev, host)
+        try:
+            rows.clear()
+            assert mover.store(src, dst).wait(30)
+            assert (by_row, True) == (len(rows), torch.equal(as_bytes(host.tensors[0])[dst],
+                                                             as_bytes(dev["t0"])[src]))
+        finally:
+            mover.close()
 
 
 def test_each_plan_kind_is_taken_and_correct() -> None:
