@@ -3,9 +3,12 @@
 Theory of operation
 -------------------
 A device cache of ``L`` fp16 tensors (on this machine's CPU, allocated as the
-shell allocates a CPU cache: ``empty_aligned``, advised for transparent huge
-pages) and a host pool made like it (``HostBlockPool.like``, advised the same
-way) in each layout, ``layer`` and ``block``.  One move copies ``N`` blocks of
+shell allocates a CPU cache, ``create_cache_tensors``: aligned and advised for
+transparent huge pages) and a host pool made like it (``HostBlockPool.like``,
+advised the same way), in three pairs of layouts (cache/pool): ``layer/layer``
+and ``layer/block`` (a tensor per cache entry, the pool either way), and
+``block/block`` (a block-major cache, ``layout="block"``, and a pool of the
+block layout: the mover copies whole pages).  One move copies ``N`` blocks of
 every tensor, device to host (``store``) or host to device (``load``), through
 ``BlockMover`` (its worker thread included: the time runs from the call to the
 end of ``wait()``).  Three patterns of block ids, drawn once from a seeded
@@ -46,11 +49,13 @@ from typing import Any
 import torch
 
 from kvfunc.shell import BlockMover, HostBlockPool, empty_aligned
-from kvfunc.shell._tensors import cpu_bytes
+from kvfunc.shell._tensors import block_pages, cpu_bytes
 
 SEED = 0
 TARGET = 0.8
-LAYOUTS = ("layer", "block")
+#: (cache layout, host pool layout) pairs: a cache per tensor with either pool, and a
+#: block-major cache with a block-layout pool (the mover then copies whole pages)
+LAYOUTS = (("layer", "layer"), ("layer", "block"), ("block", "block"))
 PATTERNS = ("contiguous", "scattered", "scattered-both")
 DIRECTIONS = ("store", "load")
 
@@ -121,20 +126,32 @@ def paired(lanes: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], rounds
     return times
 
 
-def bench_case(s: Settings, row_bytes: int, n: int, out: dict[str, Any]) -> None:
+def device_cache(s: Settings, row_bytes: int, n: int, layout: str) -> dict[str, torch.Tensor]:
+    """``4n`` blocks of each tensor, allocated as the shell allocates a CPU cache of ``layout``
+    (``create_cache_tensors``: one aligned tensor each, or one aligned block-major buffer)."""
     gen = torch.Generator().manual_seed(SEED)
-    device = {}
-    for i in range(s.num_tensors):  # allocated as the shell allocates a CPU cache
-        t = empty_aligned((4 * n, row_bytes // 2), torch.int16, torch.device("cpu"))
+    shape = (4 * n, row_bytes // 2)
+    cpu = torch.device("cpu")
+    if layout == "block":
+        parts = [(f"t{i}", torch.int16, shape[1:]) for i in range(s.num_tensors)]
+        tensors = list(block_pages(parts, shape[0],
+                                   lambda k: empty_aligned((k,), torch.uint8, cpu))[2])
+    else:
+        tensors = [empty_aligned(shape, torch.int16, cpu) for _ in range(s.num_tensors)]
+    for t in tensors:
         t.copy_(torch.randint(-2**15, 2**15, t.shape, generator=gen, dtype=torch.int16))
-        device[f"t{i}"] = t.view(torch.float16)
+    return {f"t{i}": t.view(torch.float16) for i, t in enumerate(tensors)}
+
+
+def bench_case(s: Settings, row_bytes: int, n: int, out: dict[str, Any]) -> None:
     total = n * row_bytes * s.num_tensors
     a, b = cpu_bytes(total), cpu_bytes(total)  # the same kind of memory as the caches
     a.fill_(1)
     rng = random.Random(SEED)
     lanes: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {}
     movers = []
-    for layout in LAYOUTS:
+    for cache_layout, layout in LAYOUTS:
+        device = device_cache(s, row_bytes, n, cache_layout)
         host = HostBlockPool.like(device, 2 * n, layout=layout)
         host.buffers[0].zero_()
         for t in host.buffers[1:]:
@@ -146,7 +163,7 @@ def bench_case(s: Settings, row_bytes: int, n: int, out: dict[str, Any]) -> None
             for direction in DIRECTIONS:
                 check(mover, device, host, direction, dev_ids, host_ids)
                 src, dst = (dev_ids, host_ids) if direction == "store" else (host_ids, dev_ids)
-                lanes[f"{layout:5s} {pattern:14s} {direction}"] = (
+                lanes[f"{cache_layout}/{layout:5s} {pattern:14s} {direction}"] = (
                     lambda: b.copy_(a),
                     lambda m=mover, d=direction, x=src, y=dst: m.move(d, x, y).wait())
     print(f"\n== {s.num_tensors} tensors x {n} blocks of {row_bytes // 1024} KiB = "

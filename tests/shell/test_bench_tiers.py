@@ -27,7 +27,7 @@ def test_bench_tiers_quick_runs_every_lane_and_checks_it(
     result = json.loads(out.read_text())
     cases = bench.Settings(True).cases
     assert (True, [f"{b}x{n}" for b, n in cases]) == (result["quick"], list(result["cases"]))
-    lanes = {f"{layout} {pattern} {direction}" for layout in bench.LAYOUTS
+    lanes = {f"{cache}/{pool} {pattern} {direction}" for cache, pool in bench.LAYOUTS
              for pattern in bench.PATTERNS for direction in bench.DIRECTIONS}
     for b, n in cases:
         assert lanes == set(result["cases"][f"{b}x{n}"])
