@@ -86,6 +86,13 @@ def test_moves_equal_an_indexed_copy(move: tuple[int, int, list[int], list[int]]
     for t in host.tensors:
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
                                                 dtype=torch.uint8))
+    assert_moves_as_indexed(dev, host, direction, src_ids, dst_ids, pages=False)
+
+
+def assert_moves_as_indexed(dev: dict[str, torch.Tensor], host: HostBlockPool, direction: str,
+                            src_ids: list[int], dst_ids: list[int], *, pages: bool) -> None:
+    """One move (whole pages or not, as ``pages`` says) writes what an indexed copy of each
+    tensor would, leaves its sources alone, and finishes every layer."""
     pairs = list(zip(dev.values(), host.tensors, strict=True))
     if direction == "load":
         pairs = [(h, d) for d, h in pairs]
@@ -93,7 +100,9 @@ def test_moves_equal_an_indexed_copy(move: tuple[int, int, list[int], list[int]]
     before_src = [as_bytes(s) for s, _ in pairs]
     mover = BlockMover.create(dev, host)
     try:
-        assert mover.move(direction, src_ids, dst_ids).wait(30)
+        assert pages == (mover._pages is not None)
+        handle = mover.move(direction, src_ids, dst_ids)
+        assert handle.wait(30) and all(layer.done() for layer in handle.layers)
     finally:
         mover.close()
     assert all(torch.equal(w, as_bytes(d)) for w, (_, d) in zip(want, pairs, strict=True))
@@ -124,20 +133,7 @@ def test_moves_of_whole_pages_equal_an_indexed_copy(
     dev = block_major(num_dev, shapes, seed=2, dtypes=(torch.float16, torch.float32))
     host = HostBlockPool.like(dev, num_host, layout="block")
     host.buffers[0].copy_(torch.randint(0, 256, host.buffers[0].shape, dtype=torch.uint8))
-    pairs = list(zip(dev.values(), host.tensors, strict=True))
-    if direction == "load":
-        pairs = [(h, d) for d, h in pairs]
-    want = [expected_after(d, s, src_ids, dst_ids) for s, d in pairs]
-    before_src = [as_bytes(s) for s, _ in pairs]
-    mover = BlockMover.create(dev, host)
-    try:
-        assert mover._pages is not None
-        handle = mover.move(direction, src_ids, dst_ids)
-        assert handle.wait(30) and all(layer.done() for layer in handle.layers)
-    finally:
-        mover.close()
-    assert all(torch.equal(w, as_bytes(d)) for w, (_, d) in zip(want, pairs, strict=True))
-    assert all(torch.equal(b, as_bytes(s)) for b, (s, _) in zip(before_src, pairs, strict=True))
+    assert_moves_as_indexed(dev, host, direction, src_ids, dst_ids, pages=True)
 
 
 def test_pages_are_copied_only_where_both_sides_lay_the_same_parts_side_by_side(
