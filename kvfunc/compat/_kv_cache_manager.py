@@ -170,6 +170,11 @@ class KVCacheManager:
         Ordered by layer index (stable), then cache definition order: both
         sides of a prefill/decode pair compute it independently and pair the
         entries by position.
+
+        Raises:
+            NotSupportedError: a Mamba cache, or a tensor that is not contiguous
+                (caches made with ``layout="block"`` or a shared pool's views).
+            MissingTensorError: a paged cache has no tensor.
         """
         ptrs: list[int] = []
         lens: list[int] = []
@@ -191,6 +196,12 @@ class KVCacheManager:
                     msg = (f"CacheEntry {cache.cache_name} in layer {layer.layer_idx} has no "
                            "tensor \u2014 allocate_cache_tensors must run first.")
                     raise MissingTensorError(msg)
+                if not tensor.is_contiguous():
+                    msg = (f"cache {cache.cache_name} in layer {layer.layer_idx} is not one "
+                           "contiguous tensor (a block-major or shared-pool view, blocks "
+                           f"{tensor.stride(0) * tensor.element_size()} bytes apart): a "
+                           "contiguous buffer description cannot address its blocks")
+                    raise NotSupportedError(msg)
                 bs = cache.storage_block_size
                 size = tensor.element_size()
                 ptrs.append(tensor.data_ptr())

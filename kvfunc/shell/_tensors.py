@@ -38,10 +38,12 @@ and :func:`with_cache_tensors`; the host pool's ``layer`` and ``block``)::
 
 In the block layout ``tensor[b]`` is still block ``b`` of each tensor (a view
 whose first stride is the page), and the page as a whole is one contiguous
-region: a move between such a cache and a host pool of the block layout
-copies whole pages (:class:`~kvfunc.shell.BlockMover`), far fewer and larger
-copies when blocks are small.  The group's buffer, not each tensor, starts
-at the 2 MiB boundary.
+region: on the CPU, a move between such a cache and a host pool of the block
+layout copies whole pages (:class:`~kvfunc.shell.BlockMover`), far fewer and
+larger copies when blocks are small (on CUDA the mover still copies each
+tensor's blocks).  The group's buffer, not each tensor, starts at the 2 MiB
+boundary.  Such tensors are not contiguous, so the compat layer's
+``get_contiguous_buf_infos`` refuses them.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ __all__ = [
     "create_cache_tensors",
     "empty_aligned",
     "empty_host_addressable",
+    "page_layout",
     "plan_cache_tensors",
     "with_cache_tensors",
 ]
@@ -217,7 +220,7 @@ def empty_aligned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     >>> t.shape, t.data_ptr() % ALIGNMENT_BYTES, t.is_contiguous()
     (torch.Size([3, 5]), 0, True)
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _itemsize(dtype)
     if type(alignment) is not int or alignment <= 0 or alignment % itemsize:
         msg = f"alignment must be a positive multiple of {itemsize} bytes, but got {alignment!r}"
         raise InvalidArgumentError(msg)
@@ -295,6 +298,33 @@ def empty_host_addressable(shape: tuple[int, ...], dtype: torch.dtype,
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def page_layout(parts: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
+                ) -> tuple[tuple[int, ...], int]:
+    """Where each part starts in a block-major page, and the page stride (:func:`block_pages`).
+
+    Raises:
+        InvalidArgumentError: no parts, or a part whose offset in the page is
+            not a multiple of its element size.
+
+    >>> page_layout([("k", torch.float16, (4, 2)), ("v", torch.float32, (3,))])
+    ((0, 16), 28)
+    """
+    if not parts:
+        raise InvalidArgumentError("a block-major page needs at least one tensor")
+    offsets, largest, at = [], 1, 0
+    for name, dtype, shape in parts:
+        size = _itemsize(dtype)
+        if at % size:
+            msg = (f"in the block layout {name} would start at byte {at} of a block, not a "
+                   f"multiple of its element size {size}; use layout='layer' (or order the "
+                   "tensors by element size, largest first)")
+            raise InvalidArgumentError(msg)
+        offsets.append(at)
+        largest = max(largest, size)
+        at += _numel(shape) * size
+    return tuple(offsets), -(-at // largest) * largest
+
+
 def block_pages(parts: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], num_blocks: int,
                 alloc: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, int,
                                                                tuple[torch.Tensor, ...]]:
@@ -303,39 +333,31 @@ def block_pages(parts: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], num_b
     ``parts`` gives each tensor's name, dtype and block shape, in order.
     Page ``b`` of the buffer holds block ``b`` of every tensor side by side,
     in order, without padding between them; the page stride is their bytes
-    rounded up to the largest element size.  ``alloc(nbytes)`` returns the
-    ``uint8`` buffer (contiguous, at least ``num_blocks * stride`` bytes).
+    rounded up to the largest element size (:func:`page_layout`).
+    ``alloc(nbytes)`` returns the ``uint8`` buffer (contiguous, at least
+    ``num_blocks * stride`` bytes); it is called once everything is checked.
 
     Raises:
-        InvalidArgumentError: no parts, a negative ``num_blocks``, or a part
-            whose offset in the page is not a multiple of its element size.
+        InvalidArgumentError: as :func:`page_layout`; a negative ``num_blocks``.
 
     >>> parts = [("k", torch.float16, (4, 2)), ("v", torch.float16, (4, 2))]
     >>> buf, stride, (k, v) = block_pages(parts, 3, lambda n: torch.zeros(n, dtype=torch.uint8))
     >>> stride, k.shape, k.stride(), v.data_ptr() - k.data_ptr()
     (32, torch.Size([3, 4, 2]), (16, 2, 1), 16)
     """
-    if not parts:
-        raise InvalidArgumentError("block_pages needs at least one tensor")
+    offsets, stride = page_layout(parts)
     if type(num_blocks) is not int or num_blocks < 0:
         raise InvalidArgumentError(f"num_blocks must be an int >= 0, but got {num_blocks!r}")
-    offsets, sizes, at = [], [], 0
-    for name, dtype, shape in parts:
-        size = torch.empty((), dtype=dtype).element_size()
-        if at % size:
-            msg = (f"in the block layout {name} would start at byte {at} of a block, not a "
-                   f"multiple of its element size {size}; order the tensors by element size "
-                   "or use layout='layer'")
-            raise InvalidArgumentError(msg)
-        offsets.append(at)
-        sizes.append(size)
-        at += _numel(shape) * size
-    stride = -(-at // max(sizes)) * max(sizes)
     buffer = alloc(num_blocks * stride)
     rows = buffer[:num_blocks * stride].view(num_blocks, stride)
-    views = tuple(rows[:, off:off + _numel(shape) * size].view(dtype).view(num_blocks, *shape)
-                  for (_, dtype, shape), off, size in zip(parts, offsets, sizes, strict=True))
+    views = tuple(rows[:, off:off + _numel(shape) * _itemsize(dtype)].view(dtype)
+                  .view(num_blocks, *shape)
+                  for (_, dtype, shape), off in zip(parts, offsets, strict=True))
     return buffer, stride, views
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -379,15 +401,19 @@ def create_cache_tensors(specs: list[CacheTensorSpec], device: DeviceLike, *,
         for i, s in enumerate(specs):
             if s.allocator is not CacheAllocator.SWAPPED_MEMORY:
                 paged.setdefault(s.entry.group_key, []).append(i)
-    views: dict[int, torch.Tensor] = {}
-    for key, idx in paged.items():
+    planned = []
+    for key, idx in paged.items():  # every key checked before anything is allocated
         counts = {specs[i].shape[0] for i in idx}
         if len(counts) != 1:
             msg = f"the specs of manager_key={key} have different block counts {sorted(counts)}"
             raise InvalidArgumentError(msg)
         parts = [(f"layer {specs[i].layer_idx} {specs[i].entry.cache_name}", specs[i].dtype,
                   specs[i].shape[1:]) for i in idx]
-        _, _, made = block_pages(parts, counts.pop(),
+        page_layout(parts)
+        planned.append((idx, parts, counts.pop()))
+    views: dict[int, torch.Tensor] = {}
+    for idx, parts, num_blocks in planned:
+        _, _, made = block_pages(parts, num_blocks,
                                  lambda n: empty_aligned((n,), torch.uint8, dev))
         views.update(zip(idx, made, strict=True))
     return [views[i] if i in views

@@ -20,12 +20,13 @@ in the order of ``layers``:
   store wrote).  Pairs are grouped into few large copies
   (:func:`~kvfunc.shell._move_plan.plan_move`): slices for runs of
   consecutive ids, one indexed read into a slice or one indexed write from a
-  slice when one side is consecutive, and a byte copy per block when both
-  sides are scattered, when the indexed copies would average fewer than
+  slice when one side is consecutive.  Blocks of ``ROW_COPY_MIN_BYTES`` or
+  more are copied one by one (a byte copy each) when both sides are
+  scattered, when the indexed copies would average fewer than
   ``ROWS_PER_INDEXED_COPY`` blocks, or for a gather of blocks of
-  ``LARGE_ROW_BYTES`` or more (blocks under ``ROW_COPY_MIN_BYTES`` scattered
-  on both sides go through a temporary instead, one gather and one scatter,
-  since the per-copy cost would dominate).  When both sides keep
+  ``LARGE_ROW_BYTES`` or more; smaller blocks scattered on both sides go
+  through a temporary instead, one gather and one scatter, since the
+  per-copy cost would dominate.  When both sides keep
   a block's parts side by side, in the same order (a cache made with
   ``layout="block"``, :func:`~kvfunc.shell.create_cache_tensors`, and a
   pool of the block layout), a block of every tensor is one page
@@ -126,7 +127,9 @@ def pages_of(side: list[_Bytes]) -> _Bytes | None:
             return None
         at += b.row_bytes
     stride = first.row_stride if n > 1 else at - start
-    if at - start > stride:
+    # pages apart, and inside the first tensor's storage (another storage object can share
+    # its data pointer and reach further)
+    if at - start > stride or start + (n - 1) * stride + at - start > storage.nbytes():
         return None
     rows = torch.empty(0, dtype=torch.uint8).set_(storage, start, (n, at - start), (stride, 1))
     return _Bytes(rows)
@@ -261,10 +264,11 @@ class BlockMover:
                 contiguous or overlap.
         """
         host = check_host_pool(host)
-        pairs = _swap_pairs(device_tensors, host.tensor_set())
-        device = check_device_tensors([(name, d) for name, d, _, _ in pairs])
+        # in the pool's order, the order in which ``layers`` names tensors by position
+        pairs = _swap_pairs(host.tensor_set(), device_tensors)
+        device = check_device_tensors([(name, d) for _, _, name, d in pairs])
         groups = _layers(host, layers)
-        return cls([_Bytes(d) for _, d, _, _ in pairs], [_Bytes(h) for _, _, _, h in pairs],
+        return cls([_Bytes(d) for _, _, _, d in pairs], [_Bytes(h) for _, h, _, _ in pairs],
                    groups, device.type == "cuda")
 
     def store(self, device_block_ids: BlockIds, host_block_ids: BlockIds) -> MoveHandle:

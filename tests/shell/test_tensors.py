@@ -270,3 +270,31 @@ def test_buf_infos_refuse_mamba_and_missing_tensors() -> None:
     with pytest.raises(RuntimeError, match=re.escape(
             "CacheEntry k in layer 0 has no tensor \u2014 allocate_cache_tensors must run first.")):
         KVCacheManager(64, [], bare).get_contiguous_buf_infos()
+
+
+def test_buf_infos_refuse_caches_that_are_not_contiguous() -> None:
+    """Block-major caches cannot be described as contiguous buffers: a NotSupportedError that
+    says how far apart the blocks are, not item lengths that would address other tensors."""
+    info = with_cache_tensors(info_of([entry("k"), entry("v")]), {"FullAttention": 3}, "cpu",
+                              layout="block")
+    mgr = KVCacheManager(64, [FullAttentionManager("FullAttention", 3, 4)], info)
+    with pytest.raises(NotSupportedError, match=r"cache k in layer 0 is not one contiguous "
+                                                r"tensor .* blocks 256 bytes apart"):
+        mgr.get_contiguous_buf_infos()
+
+
+def test_the_block_layout_checks_every_key_before_it_allocates(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later key's misaligned part is refused before an earlier key's buffer is allocated."""
+    from kvfunc.shell import _tensors
+    allocated: list[tuple[int, ...]] = []
+    real = _tensors.empty_aligned
+    monkeypatch.setattr(_tensors, "empty_aligned",
+                        lambda shape, *a, **k: allocated.append(shape) or real(shape, *a, **k))
+    swa = {"attn": "SlidingWindow", "sliding_window": 8, "dim": 3, "num_head": 1,
+           "block_size": 1}
+    info = info_of([entry("k"), entry("a", **swa), entry("b", dtype="fp32", **swa)])
+    with pytest.raises(InvalidArgumentError, match="layer 0 b would start at byte 6"):
+        with_cache_tensors(info, {"FullAttention": 4, "SlidingWindow": 4}, "cpu",
+                           layout="block")
+    assert [] == allocated

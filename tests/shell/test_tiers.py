@@ -192,6 +192,38 @@ def test_tensors_whose_blocks_overlap_the_next_block_are_copied_tensor_by_tensor
     assert torch.equal(want, buf)
 
 
+def test_a_storage_that_shares_its_data_pointer_with_a_larger_one_is_no_page() -> None:
+    """Two storages over the same memory, the first smaller: no page is built past its end
+    (that raised an untyped RuntimeError), and the move is an indexed copy of each tensor."""
+    base = torch.arange(4096, dtype=torch.int32).view(torch.uint8)[:4096]
+    small = torch.frombuffer(memoryview(base.numpy())[:100], dtype=torch.uint8)
+    dev = {"a": small[0:40].view(1, 40), "b": base[40:140].view(1, 100)}
+    host = HostBlockPool.like(dev, 2, layout="block")
+    host.buffers[0].zero_()
+    assert_moves_as_indexed(dev, host, "store", [0], [1], pages=False)
+
+
+def test_layers_follow_the_pools_order_whatever_the_order_of_the_device_mapping(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``layers`` names the pool's tensors: layer 0 copies "k" even when the device mapping
+    lists "v" first."""
+    copied: list[int] = []
+    real = _tiers.copy_rows_cpu
+    monkeypatch.setattr(_tiers, "copy_rows_cpu",
+                        lambda plan, src, dst: copied.append(src.tensor.data_ptr())
+                        or real(plan, src, dst))
+    k, v = torch.zeros(4, 8), torch.ones(4, 8)
+    host = HostBlockPool.like({"k": k, "v": v}, 4)
+    mover = BlockMover.create({"v": v, "k": k}, host, layers=[["k"], ["v"]])
+    try:
+        assert mover.store([1, 2], [0, 3]).wait(30)
+    finally:
+        mover.close()
+    assert [k.data_ptr(), v.data_ptr()] == copied
+    assert torch.equal(host.tensors[0][[0, 3]], k[[1, 2]])
+    assert torch.equal(host.tensors[1][[0, 3]], v[[1, 2]])
+
+
 def test_short_indexed_copies_and_large_rows_go_row_by_row(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks scattered on both sides, a gather or scatter whose copies average fewer than
