@@ -32,7 +32,9 @@ in the order of ``layers``:
   pool of the block layout), a block of every tensor is one page
   (:func:`pages_of`) and the move copies pages, all tensors at once: a
   sixteenth of the copies for sixteen tensors, each sixteen times larger.
-  Every layer is then done when the whole move is;
+  Every layer is then done when the whole move is, unless the caller named
+  the layers: then the move still goes layer by layer, one page of each
+  layer's tensors where they lie side by side (K and V of a layer, say);
 * on CUDA, on a side stream that first waits for the current stream (a store
   reads what the compute wrote), as one asynchronous copy per run of
   consecutive ids (per block where the host's block layout strides the
@@ -135,6 +137,33 @@ def pages_of(side: list[_Bytes]) -> _Bytes | None:
     return _Bytes(rows)
 
 
+def _cpu_copies(device: list[_Bytes], host: list[_Bytes], layers: list[list[int]],
+                streamed: bool) -> tuple[list[_Bytes], list[_Bytes], list[list[int]]] | None:
+    """Pages to copy on each side and the copies of each layer, or None: a copy per tensor.
+
+    Unless ``streamed`` (layers the caller named), whole pages when both sides
+    have them, every layer done with the one copy; else, layer by layer, a
+    page of each layer whose tensors lie side by side on both sides.
+    """
+    if device[0].tensor.device.type != "cpu":
+        return None
+    if not streamed:
+        dpage, hpage = pages_of(device), pages_of(host)
+        if dpage is not None and hpage is not None:
+            return [dpage], [hpage], [[0]] + [[] for _ in layers[1:]]
+    devs: list[_Bytes] = []
+    hosts: list[_Bytes] = []
+    groups: list[list[int]] = []
+    for group in layers:
+        dpage, hpage = pages_of([device[i] for i in group]), pages_of([host[i] for i in group])
+        pairs = [(dpage, hpage)] if dpage is not None and hpage is not None else [
+            (device[i], host[i]) for i in group]
+        groups.append(list(range(len(devs), len(devs) + len(pairs))))
+        devs.extend(d for d, _ in pairs)
+        hosts.extend(h for _, h in pairs)
+    return (devs, hosts, groups) if len(devs) < len(device) else None
+
+
 def copy_rows_cpu(plan: MovePlan, src: _Bytes, dst: _Bytes) -> None:
     """Perform ``plan`` from ``src`` to ``dst``, both CPU byte matrices of equal row size."""
     sn, dn = src.np, dst.np
@@ -227,18 +256,18 @@ class BlockMover:
     """
 
     def __init__(self, device: list[_Bytes], host: list[_Bytes], layers: list[list[int]],
-                 cuda: bool) -> None:
+                 cuda: bool, streamed: bool = False) -> None:
         self._device, self._host, self._layers, self._cuda = device, host, layers, cuda
         # each side's tensors, named for errors, and the fewest blocks any of them has
         dev, hst = (([(f"tensor {i}", b.tensor) for i, b in enumerate(side)],
                      min((b.tensor.shape[0] for b in side), default=0)) for side in (device, host))
         #: direction -> (source side, destination side, and what each side's ids are checked on)
         self._routes = {"store": (device, host, dev, hst), "load": (host, device, hst, dev)}
-        #: on the CPU, both sides as whole pages when both lay their blocks out side by side
-        dpage, hpage = (None, None) if cuda else (pages_of(device), pages_of(host))
-        self._pages: dict[str, tuple[list[_Bytes], list[_Bytes]]] | None = None
-        if dpage is not None and hpage is not None:
-            self._pages = {"store": ([dpage], [hpage]), "load": ([hpage], [dpage])}
+        #: on the CPU, direction -> (what is copied on each side, which copies make each layer)
+        copies = _cpu_copies(device, host, layers, streamed)
+        self._paged = copies is not None
+        devs, hosts, groups = copies or (device, host, layers)
+        self._cpu = {"store": (devs, hosts, groups), "load": (hosts, devs, groups)}
         self._worker: MoveWorker | None = None
         self._stream: Any = None
         self._lock = threading.Lock()
@@ -255,7 +284,8 @@ class BlockMover:
             host: the host pool.
             layers: tensor names (or positions) per layer, in the order the
                 copies run; each tensor exactly once.  Default: one layer
-                per tensor.
+                per tensor (on the CPU, with whole pages on both sides, one
+                copy for them all: module docstring).
 
         Raises:
             InvalidTypeError: not tensors, or ``host`` not a HostBlockPool.
@@ -269,7 +299,7 @@ class BlockMover:
         device = check_device_tensors([(name, d) for _, _, name, d in pairs])
         groups = _layers(host, layers)
         return cls([_Bytes(d) for _, _, _, d in pairs], [_Bytes(h) for _, h, _, _ in pairs],
-                   groups, device.type == "cuda")
+                   groups, device.type == "cuda", layers is not None)
 
     def store(self, device_block_ids: BlockIds, host_block_ids: BlockIds) -> MoveHandle:
         """Copy device blocks ``device_block_ids[i]`` to host blocks ``host_block_ids[i]``.
@@ -320,10 +350,7 @@ class BlockMover:
                 # A mover dropped without close() still ends its thread.
                 weakref.finalize(self, self._worker.stop, False)
             handle = MoveHandle(len(self._layers), worker=self._worker)
-            layers = self._layers
-            if self._pages is not None:  # one copy of whole pages, then every layer is done
-                srcs, dsts = self._pages[direction]
-                layers = [[0]] + [[] for _ in layers[1:]]
+            srcs, dsts, layers = self._cpu[direction]
             self._worker.submit(partial(_run_cpu, handle, plan, srcs, dsts, layers))
             return handle
 

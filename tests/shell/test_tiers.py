@@ -100,7 +100,7 @@ def assert_moves_as_indexed(dev: dict[str, torch.Tensor], host: HostBlockPool, d
     before_src = [as_bytes(s) for s, _ in pairs]
     mover = BlockMover.create(dev, host)
     try:
-        assert pages == (mover._pages is not None)
+        assert pages == mover._paged
         handle = mover.move(direction, src_ids, dst_ids)
         assert handle.wait(30) and all(layer.done() for layer in handle.layers)
     finally:
@@ -166,6 +166,39 @@ def test_pages_are_copied_only_where_both_sides_lay_the_same_parts_side_by_side(
             assert mover.load([0, 3], [2, 4]).wait(30)
             assert torch.equal(middle, as_bytes(dev["t1"])) or "t1" in tensors
             assert all(bool((t[[2, 4]].view(torch.uint8) == 9).all()) for t in tensors.values())
+        finally:
+            mover.close()
+
+
+def test_named_layers_copy_a_page_of_each_layer_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``layers`` named, a move goes layer by layer: one page of a layer's tensors where
+    they lie side by side on both sides, else a copy per tensor; without, one whole page."""
+    copied: list[int] = []
+    real = _tiers.copy_rows_cpu
+    monkeypatch.setattr(_tiers, "copy_rows_cpu",
+                        lambda plan, src, dst: copied.append(src.row_bytes) or real(plan, src, dst))
+    dev = block_major(6, [(8,), (8,), (4,), (4,)], seed=6)  # fp16 blocks of 16, 16, 8, 8 bytes
+    host = HostBlockPool.like(dev, 4, layout="block")
+    cases = [([["t0", "t1"], ["t2", "t3"]], [32, 16]),
+             ([["t0"], ["t1"], ["t2"], ["t3"]], [16, 16, 8, 8]),
+             ([["t0", "t2"], ["t1", "t3"]], [16, 8, 16, 8]),
+             ([["t0", "t1", "t2", "t3"]], [48]),
+             (None, [48])]
+    for layers, rows in cases:
+        mover = BlockMover.create(dev, host, layers=layers)
+        try:
+            for direction, src, dst in (("store", [4, 1, 3], [0, 3, 2]),
+                                        ("load", [0, 2], [5, 1])):
+                pairs = list(zip(dev.values(), host.tensors, strict=True))
+                if direction == "load":
+                    pairs = [(h, d) for d, h in pairs]
+                want = [expected_after(d, s, src, dst) for s, d in pairs]
+                copied.clear()
+                handle = mover.move(direction, src, dst)
+                assert handle.wait(30) and len(handle.layers) == len(layers or dev)
+                assert rows == copied
+                assert all(torch.equal(w, as_bytes(d)) for w, (_, d) in
+                           zip(want, pairs, strict=True))
         finally:
             mover.close()
 
