@@ -143,10 +143,9 @@ def _cpu_copies(device: list[_Bytes], host: list[_Bytes], layers: list[list[int]
 
     Unless ``streamed`` (layers the caller named), whole pages when both sides
     have them, every layer done with the one copy; else, layer by layer, a
-    page of each layer whose tensors lie side by side on both sides.
+    page of each layer whose tensors lie side by side on both sides (only CPU
+    tensors have pages: :func:`pages_of`).
     """
-    if device[0].tensor.device.type != "cpu":
-        return None
     if not streamed:
         dpage, hpage = pages_of(device), pages_of(host)
         if dpage is not None and hpage is not None:
@@ -256,7 +255,7 @@ class BlockMover:
     """
 
     def __init__(self, device: list[_Bytes], host: list[_Bytes], layers: list[list[int]],
-                 cuda: bool, streamed: bool = False) -> None:
+                 cuda: bool, streamed: bool) -> None:
         self._device, self._host, self._layers, self._cuda = device, host, layers, cuda
         # each side's tensors, named for errors, and the fewest blocks any of them has
         dev, hst = (([(f"tensor {i}", b.tensor) for i, b in enumerate(side)],
@@ -264,14 +263,18 @@ class BlockMover:
         #: direction -> (source side, destination side, and what each side's ids are checked on)
         self._routes = {"store": (device, host, dev, hst), "load": (host, device, hst, dev)}
         #: on the CPU, direction -> (what is copied on each side, which copies make each layer)
-        copies = _cpu_copies(device, host, layers, streamed)
-        self._paged = copies is not None
-        devs, hosts, groups = copies or (device, host, layers)
+        devs, hosts, groups = _cpu_copies(device, host, layers, streamed) or (device, host,
+                                                                             layers)
         self._cpu = {"store": (devs, hosts, groups), "load": (hosts, devs, groups)}
         self._worker: MoveWorker | None = None
         self._stream: Any = None
         self._lock = threading.Lock()
         self._closed = False
+
+    @property
+    def _paged(self) -> bool:
+        """Whether a CPU move copies pages rather than each tensor."""
+        return self._cpu["store"][0] is not self._device
 
     @classmethod
     def create(cls, device_tensors: TensorSet, host: HostBlockPool, *,
