@@ -207,14 +207,22 @@ def test_bad_move_ids_change_nothing(bad: object) -> None:
 
 
 def test_create_refuses_what_tiers_cannot_serve() -> None:
-    """A device without prefix caching, hybrid groups or bad counts are typed errors."""
+    """A device without prefix caching, a pool per group, a group other than full attention or a
+    window, groups of several block sizes, or bad counts are typed errors."""
     with pytest.raises(kf.NotSupportedError):
         TieredState.create(KVState.create({"f": FullAttention(num_blocks=4, block_size=4)}, 64))
-    hybrid = KVState.create({"f": FullAttention(num_blocks=4, block_size=4),
-                             "w": kf.SlidingWindow(num_blocks=4, block_size=4, sliding_window=8)},
-                            64, enable_prefix_caching=True)
-    with pytest.raises(kf.NotSupportedError):
-        TieredState.create(hybrid)
+    per_type = KVState.create({"f": FullAttention(num_blocks=4, block_size=4),
+                               "w": kf.SlidingWindow(num_blocks=4, block_size=4,
+                                                     sliding_window=8)},
+                              64, enable_prefix_caching=True, layout="per-type")
+    with pytest.raises(kf.NotSupportedError, match="one pool"):
+        TieredState.create(per_type)
+    for second in (kf.Mamba(num_blocks=4, block_size=4),
+                   kf.SlidingWindow(num_blocks=4, block_size=8, sliding_window=8)):
+        shared = KVState.create({"f": FullAttention(num_blocks=4, block_size=4), "x": second},
+                                64, enable_prefix_caching=True, layout="shared")
+        with pytest.raises(kf.NotSupportedError, match="full attention or sliding windows"):
+            TieredState.create(shared)
     for kwargs in ({"host_blocks": -1}, {"host_blocks": True}, {"write_policy": "x"},
                    {"remote": 1}, {"remote_blocks": 4}, {"remote": True, "remote_blocks": 0}):
         with pytest.raises(kf.KVFuncError):
@@ -309,3 +317,82 @@ def test_without_tiers_a_tiered_run_is_the_device_run(ops: list[tuple[str, list[
             live += [] if plain.refused else [rid]
         assert tiered.device == dev and d2.device == d1 and not d2.order
         check_tiered_invariants(tiered)
+
+
+def _hybrid(num_blocks: int = 11) -> KVState:
+    """Full attention and a window of two blocks, sharing one pool (vLLM's hybrid layout)."""
+    return KVState.create({"f": FullAttention(num_blocks=num_blocks, block_size=BS),
+                           "w": kf.SlidingWindow(num_blocks=num_blocks, block_size=BS,
+                                                 sliding_window=2 * BS)},
+                          256, enable_prefix_caching=True, layout="shared")
+
+
+def test_a_hybrid_hit_below_the_device_loads_every_groups_blocks() -> None:
+    """Each group's block of a hash is kept under its own tier key; a hit below the device
+    loads, position after position, the block of each group into that group's table, the
+    window's blocks included; once loaded, they are the device's hit."""
+    from kvfunc.events import MEDIUM_CPU, BlockStored, events_from_tier_delta
+
+    log = Log(TieredState.create(_hybrid(), host_blocks=32, write_policy="write-through"))
+    a = _tokens(1, 17)
+    h = BlockHashes.of(a, BS)
+    log.run("a", a)
+    stores = list(log.state.moves.values())
+    assert [(m.key, m.digest) for m in stores] == [
+        (k, log.state.tier_key(k, d)) for k in ("f", "w") for d in h.hashes[:4]]
+    before = log.state
+    log.settle_all()
+    events = events_from_tier_delta(log.deltas[-1], before)
+    host_events = [(e.group, e.block_hashes) for e in events
+                   if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU]
+    assert host_events == [(k, (d,)) for k in ("f", "w") for d in h.hashes[:4]]  # plain hashes
+    log.free("a")
+    log.run("b", _tokens(2, 20))                       # takes the whole pool: a's blocks go
+    log.free("b")
+    hit = lookup_tiers(log.state, h, max_tokens=16)
+    assert hit.device.num_tokens == 0 and hit.num_tokens == 16
+    assert hit.hashes == tuple(log.state.tier_key(k, d) for d in h.hashes[:4] for k in ("f", "w"))
+    assert hit.sources == ("host",) * 8
+    res = log.run("a2", a)
+    tables = kf.get_block_ids(log.state.device, "a2")
+    loads = [(m[7], m[4]) for m in res.delta.moves() if m[1] == "host->device"]
+    assert loads == [(k, tables[k][p]) for p in range(4) for k in ("f", "w")]
+    log.settle_all()
+    log.free("a2")
+    assert kf.lookup_prefix(log.state.device, h, max_tokens=16).num_tokens == 16
+
+
+def test_a_hybrid_window_block_missing_below_ends_the_hit() -> None:
+    """A position whose window block is in no lower tier ends the hit there, though full
+    attention's block is below: the device caches the window block it would take for it."""
+    log = Log(TieredState.create(_hybrid(), host_blocks=32, write_policy="write-through"))
+    a = _tokens(1, 17)
+    h = BlockHashes.of(a, BS)
+    log.run("a", a)
+    w2 = next(i for i, m in log.state.moves.items()
+              if m.key == "w" and m.digest == log.state.tier_key("w", h.hashes[2]))
+    log.complete(done=[i for i in log.state.moves if i != w2], failed=[w2])
+    log.free("a")
+    log.run("b", _tokens(2, 20))
+    log.free("b")
+    hit = lookup_tiers(log.state, h, max_tokens=16)
+    assert (hit.device.num_tokens, hit.num_tokens, len(hit.sources)) == (0, 8, 4)
+
+
+def test_a_hybrid_failed_window_load_recomputes_from_its_position() -> None:
+    """A failed load of a window block reports its position, and the device forgets that block
+    alone: a hit whose window needs it stops before it, a longer one does not need it."""
+    log = Log(TieredState.create(_hybrid(), host_blocks=32, write_policy="write-through"))
+    a = _tokens(1, 17)
+    log.run("a", a)
+    log.settle_all()
+    log.free("a")
+    log.run("b", _tokens(2, 20))
+    log.free("b")
+    res = log.run("a2", a)
+    failed = [m[0] for m in res.delta.moves() if m[7] == "w" and m[1] == "host->device"][1]
+    out = log.complete(done=[i for i in log.state.moves if i != failed], failed=[failed])
+    assert out.recompute_from == {"a2": BS}
+    h = BlockHashes.of(a, BS)
+    assert kf.lookup_prefix(log.state.device, h, max_tokens=2 * BS).num_tokens == BS
+    assert kf.lookup_prefix(log.state.device, h, max_tokens=16).num_tokens == 16

@@ -111,7 +111,7 @@ def test_replay_refuses_a_log_that_does_not_fit() -> None:
 
 
 FIELDS = ("moved_ids", "moved_directions", "moved_hashes", "moved_src_block_ids",
-          "moved_dst_block_ids", "moved_request_ids", "moved_priorities",
+          "moved_dst_block_ids", "moved_request_ids", "moved_priorities", "moved_keys",
           "prioritized_request_ids", "prioritized_priorities", "settled_ids",
           "settled_outcomes", "order")
 
@@ -162,3 +162,36 @@ def test_a_tier_log_with_a_priority_out_of_range_is_refused() -> None:
                               prioritized_priorities=(bad,))
         with pytest.raises(kf.ReplayMismatchError, match="priority row"):
             replay_tiered(t0, [forged])
+
+
+def _hybrid_log() -> tuple[TieredState, kf.TierDelta]:
+    """A hybrid device's first step: write-through stores of both groups' blocks."""
+    dev = KVState.create({"f": FullAttention(num_blocks=11, block_size=4),
+                          "w": kf.SlidingWindow(num_blocks=11, block_size=4, sliding_window=8)},
+                         64, enable_prefix_caching=True, layout="shared")
+    t0 = TieredState.create(dev, host_blocks=32, write_policy="write-through")
+    r = kf.allocate_tiered(t0, [("a", 0, 17)], block_hashes={"a": BlockHashes.of(range(17), 4)})
+    return t0, r.delta
+
+
+HYBRID = _hybrid_log()
+
+
+@given(index=st.integers(0, 7), swap=st.sampled_from(["key", "tag"]))
+def test_a_hybrid_log_naming_the_wrong_group_is_refused(index: int, swap: str) -> None:
+    """A move whose group is not the one its tier key names, or whose key names no group, is a
+    ReplayMismatchError (a short one)."""
+    import attrs
+
+    t0, delta = HYBRID
+    assert kf.replay_tiered(t0, [delta]) is not None
+    keys, hashes = list(delta.moved_keys), list(delta.moved_hashes)
+    i = index % len(keys)
+    if swap == "key":
+        keys[i] = "w" if keys[i] == "f" else "f"
+    else:
+        hashes[i] = hashes[i][:-1] + bytes([5])
+    bad = attrs.evolve(delta, moved_keys=tuple(keys), moved_hashes=tuple(hashes))
+    with pytest.raises(kf.ReplayMismatchError) as info:
+        kf.replay_tiered(t0, [bad])
+    assert len(str(info.value)) < SHORT

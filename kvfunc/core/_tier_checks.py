@@ -72,7 +72,7 @@ def check_tiered_invariants(state: TieredState) -> None:
             device_pending[m.dst] = i
             loads[m.request_id] += 1
             assert m.request_id is not None, m
-            held = get_block_ids(state.device, m.request_id)[state.group_key]
+            held = get_block_ids(state.device, m.request_id)[m.key]
             assert m.dst in held, f"load {i} writes block {m.dst}, not held by its request"
     assert dict(state.device_pending) == device_pending, "device_pending disagrees with moves"
     assert dict(state.loads) == dict(loads), "load counts disagree with moves"
@@ -159,18 +159,20 @@ def _apply(work: TierWork, code: str, row: tuple[Any, ...]) -> None:
     elif code == "G":
         work.forget(*row)
     elif code == "M":
-        move_id, direction, digest, src, dst, rid, priority = row
+        move_id, direction, digest, src, dst, rid, priority, key = row
         if move_id != work.next_move_id or direction not in DIRECTIONS:
             raise ReplayMismatchError(f"move {excerpt(move_id)} ({excerpt(direction)}) is not the "
                                       "next move")
         if (type(digest) is not bytes or not digest or type(src) is not int
                 or type(dst) is not int or not is_priority(priority)
-                or (rid is not None and not is_request_id(rid))):
+                or (rid is not None and not is_request_id(rid))
+                or type(key) is not str or key not in work.src.keys
+                or work.src.tier_key(key, work.src.split_key(digest)[1]) != digest):
             raise ReplayMismatchError(f"move {excerpt(move_id)} has a cell of a wrong type: "
                                       f"{excerpt(row)}")
         if direction in (HOST_TO_DEVICE, REMOTE_TO_DEVICE) and (
                 work.device_pending.get(dst) is not None or rid is None
-                or dst not in get_block_ids(work.device, rid)[work.src.group_key]):
+                or dst not in get_block_ids(work.device, rid)[key]):
             msg = f"device block {excerpt(dst)} is loaded twice, or not for its request"
             raise ReplayMismatchError(msg)
         work.start(direction, digest, src, dst, rid, priority)

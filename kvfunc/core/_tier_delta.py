@@ -13,11 +13,16 @@ letter per row in the order the transition performed them::
     M     moved          a move started and is pending               move_id, direction,
                                                                      hash, src_block_id,
                                                                      dst_block_id,
-                                                                     request_id, priority
+                                                                     request_id, priority,
+                                                                     key
     K     settled        a pending move was reported                 move_id, outcome
                          (``"done"`` or ``"failed"``)
     V     host_evicted   the host tier evicted a block               block_id, hash
     W     remote_dropped the remote directory forgot a hash          hash
+
+A ``hash`` here is a tier key (:meth:`~kvfunc.TieredState.tier_key`: the
+block hash, followed by its group's byte when the device has several
+groups); a move's ``key`` is its group's manager key.
 
 The device operations happen first (the device delta), then the tier
 operations in ``order``.  Moves of one delta run in row order: a move that
@@ -37,14 +42,14 @@ from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged
 
 __all__ = ["TIER_DELTA_VERSION", "TIER_FAMILIES", "TierDelta", "TierDeltaBuilder"]
 
-TIER_DELTA_VERSION = 1
+TIER_DELTA_VERSION = 2
 
 #: code -> the column names of its family, in row order.
 TIER_FAMILIES: dict[str, tuple[str, ...]] = {
     "P": ("prioritized_request_ids", "prioritized_priorities"),
     "G": ("forgotten_request_ids",),
     "M": ("moved_ids", "moved_directions", "moved_hashes", "moved_src_block_ids",
-          "moved_dst_block_ids", "moved_request_ids", "moved_priorities"),
+          "moved_dst_block_ids", "moved_request_ids", "moved_priorities", "moved_keys"),
     "K": ("settled_ids", "settled_outcomes"),
     "V": ("host_evicted_block_ids", "host_evicted_hashes"),
     "W": ("remote_dropped_hashes",),
@@ -59,9 +64,9 @@ class TierDelta:
 
     >>> d = TierDelta(order="M", moved_ids=(0,), moved_directions=("host->device",),
     ...               moved_hashes=(b"h",), moved_src_block_ids=(3,), moved_dst_block_ids=(5,),
-    ...               moved_request_ids=("a",), moved_priorities=(0,))
+    ...               moved_request_ids=("a",), moved_priorities=(0,), moved_keys=("full",))
     >>> eval(repr(d)) == d, list(d.moves())
-    (True, [(0, 'host->device', b'h', 3, 5, 'a', 0)])
+    (True, [(0, 'host->device', b'h', 3, 5, 'a', 0, 'full')])
     """
 
     version: int = TIER_DELTA_VERSION
@@ -77,6 +82,7 @@ class TierDelta:
     moved_dst_block_ids: tuple[int, ...] = _E
     moved_request_ids: tuple[Any, ...] = _E
     moved_priorities: tuple[int, ...] = _E
+    moved_keys: tuple[str, ...] = _E
     settled_ids: tuple[int, ...] = _E
     settled_outcomes: tuple[str, ...] = _E
     host_evicted_block_ids: tuple[int, ...] = _E
@@ -99,7 +105,8 @@ class TierDelta:
             yield code, families[code][i]
 
     def moves(self) -> Iterator[tuple[Any, ...]]:
-        """The moves started, as ``(move_id, direction, hash, src, dst, request_id, priority)``."""
+        """The moves started: ``(move_id, direction, tier key, src, dst, request_id, priority,
+        manager key)`` each."""
         return zip(*(getattr(self, n) for n in TIER_FAMILIES["M"]), strict=True)
 
 

@@ -98,11 +98,11 @@ def complete_moves(state: TieredState, *, done: Iterable[int] = (),
             if state.moves[i].direction in (HOST_TO_DEVICE, REMOTE_TO_DEVICE)]
     delta = None
     if lost:
-        bs, key = state.block_size, state.group_key
+        bs = state.block_size
         for move in lost:
             rid = move.request_id
             assert rid is not None, move
-            at = get_block_ids(state.device, rid)[key].index(move.dst) * bs
+            at = get_block_ids(state.device, rid)[move.key].index(move.dst) * bs
             recompute[rid] = min(at, recompute.get(rid, at))
         work.device, delta = evict_blocks(state.device, [m.dst for m in lost])
         work.note_device(delta)

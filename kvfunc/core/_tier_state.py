@@ -13,7 +13,8 @@ from pyrsistent import PVector, pvector
 
 from kvfunc.core._checks import MAX_NUM_BLOCKS, excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
-from kvfunc.core._policy import KEEPS_ALL, skip_mode
+from kvfunc.core._policy import BY_WINDOW, KEEPS_ALL, skip_mode
+from kvfunc.core._pool import cache_key
 from kvfunc.core._state import KVState, RequestId, check_state
 from kvfunc.core._tier_index import TierIndex
 from kvfunc.core._untracked import atomic
@@ -48,11 +49,13 @@ MEDIUMS = {"device": "GPU", "host": "CPU", "remote": "REMOTE"}
 class TierMove(NamedTuple):
     """A move in flight: what it copies, from where to where, for whom, at what priority.
 
-    ``src`` and ``dst`` are block ids in the tiers the direction names; the
-    remote tier has no block ids (``-1``: the block is named by its hash).
-    ``request_id`` is the request a load is for (None for a store).
+    ``digest`` is the block's tier key (:meth:`TieredState.tier_key`: its hash,
+    tagged with its group when the device has several); ``key`` is the group's
+    manager key.  ``src`` and ``dst`` are block ids in the tiers the direction
+    names; the remote tier has no block ids (``-1``: the block is named by its
+    key).  ``request_id`` is the request a load is for (None for a store).
 
-    >>> TierMove(HOST_TO_DEVICE, b"h", 3, 5, "a", 0, True).dst
+    >>> TierMove(HOST_TO_DEVICE, b"h", 3, 5, "a", 0, True, "full").dst
     5
     """
 
@@ -63,6 +66,7 @@ class TierMove(NamedTuple):
     request_id: RequestId | None
     priority: int
     pinned: bool  # whether the move pins its source entry (a load; a store from an indexed block)
+    key: str
 
 
 @attrs.frozen(slots=True)
@@ -122,8 +126,13 @@ class RemoteTier:
 class TieredState:
     """A device :class:`~kvfunc.KVState` with an optional host tier and remote tier.
 
+    The device has prefix caching and one pool: one group of full attention,
+    or several groups of full attention and sliding windows sharing one pool
+    (vLLM's hybrid layout), all of one block size.  A lower tier keeps each
+    group's blocks apart, under :meth:`tier_key`.
+
     Attributes:
-        device: the device state (one full-attention group with prefix caching).
+        device: the device state.
         write_policy: ``"write-back"`` or ``"write-through"``.
         host: the host tier, or None.
         remote: the remote tier, or None.
@@ -161,7 +170,8 @@ class TieredState:
         """Tiers behind ``device``: ``host_blocks`` host blocks (0: no host tier), a remote tier.
 
         Args:
-            device: a state with prefix caching and one full-attention group.
+            device: a state with prefix caching and one pool, whose groups are
+                full attention or sliding windows of one block size.
             host_blocks: host blocks (0 for none).
             remote: whether there is a remote tier.
             remote_blocks: the remote directory's capacity (None: unbounded).
@@ -171,7 +181,8 @@ class TieredState:
 
         Raises:
             NotSupportedError: the device state has no prefix caching, or more
-                than one group, or a group that does not keep every token.
+                than one pool, or groups of several block sizes, or a group that
+                is neither full attention nor a sliding window.
             InvalidTypeError, InvalidArgumentError: a bad count or policy.
 
         >>> from kvfunc.core import FullAttention, KVState
@@ -201,23 +212,54 @@ enable_prefix_caching=True
                    empty, 0, empty, empty, empty, empty)
 
     @property
-    def group_key(self) -> str:
-        """The device group's manager key."""
-        return self.device.groups[0].key
+    def keys(self) -> tuple[str, ...]:
+        """The device groups' manager keys, in manager order."""
+        return self.device.manager_keys
 
     @property
     def block_size(self) -> int:
-        """Tokens per block, in every tier."""
+        """Tokens per block, in every group and tier."""
         return int(self.device.groups[0].policy.block_size)
+
+    def tier_key(self, key: str, digest: bytes) -> bytes:
+        """The key under which the lower tiers keep group ``key``'s block of hash ``digest``.
+
+        The hash itself when the device has one group, else the hash followed
+        by one byte, the group's position in manager order (as a shared pool
+        keys its own index).
+
+        >>> from kvfunc.core import FullAttention, KVState, SlidingWindow
+        >>> dev = KVState.create({"f": FullAttention(8, 4), "w": SlidingWindow(8, 4, 8)}, 64,
+        ...                      enable_prefix_caching=True, layout="shared")
+        >>> t = TieredState.create(dev, host_blocks=4)
+        >>> t.tier_key("w", b"h"), t.split_key(b"h\\x01")
+        (b'h\\x01', ('w', b'h'))
+        """
+        return cache_key(digest, self.device.pools[0].tag_of(key))
+
+    def split_key(self, tier_key: bytes) -> tuple[str, bytes]:
+        """``(manager key, hash)`` of a tier key (the inverse of :meth:`tier_key`)."""
+        members = self.device.pools[0].members
+        if len(members) == 1:
+            return members[0], tier_key
+        return members[tier_key[-1]], tier_key[:-1]
 
 
 def _check_device(device: KVState) -> None:
     if not device.prefix_caching:
         msg = "tiers need a device state created with enable_prefix_caching=True"
         raise NotSupportedError(msg)
-    if len(device.groups) != 1 or skip_mode(device.groups[0].policy) != KEEPS_ALL:
-        msg = (f"tiers need a device state of one full-attention group, got "
-               f"{excerpt(device.manager_keys)}")
+    if len(device.pools) != 1:
+        msg = (f"tiers need a device state of one pool (one group, or groups sharing a pool: "
+               f"layout='shared'), got pools {excerpt([p.name for p in device.pools])}")
+        raise NotSupportedError(msg)
+    sizes = {g.policy.block_size for g in device.groups}
+    modes = {skip_mode(g.policy) for g in device.groups}
+    grows = all(g.policy.grows_with_tokens for g in device.groups)
+    if len(sizes) != 1 or not modes <= {KEEPS_ALL, BY_WINDOW} or not grows:
+        msg = (f"tiers need groups of full attention or sliding windows of one block size, "
+               f"got {excerpt({g.key: type(g.policy).__name__ for g in device.groups})} of "
+               f"block sizes {sorted(sizes)}")
         raise NotSupportedError(msg)
 
 

@@ -95,7 +95,8 @@ class TierWork:
               priority: int) -> int:
         """A move starts: reserve its destination, pin its source; returns its id."""
         move_id = self.next_move_id
-        self.sink.add("M", move_id, direction, digest, src, dst, request_id, priority)
+        key = self.src.split_key(digest)[0]
+        self.sink.add("M", move_id, direction, digest, src, dst, request_id, priority, key)
         pinned = True
         if direction == DEVICE_TO_HOST:
             self._need(self.has_host)
@@ -121,7 +122,7 @@ class TierWork:
             self.device_pending = self.device_pending.set(dst, move_id)
             self.loads = self.loads.set(request_id, self.loads.get(request_id, 0) + 1)
         self.moves = self.moves.set(move_id, TierMove(direction, digest, src, dst, request_id,
-                                                      priority, pinned))
+                                                      priority, pinned, key))
         self.next_move_id = move_id + 1
         return move_id
 
@@ -205,7 +206,10 @@ class TierWork:
 
     # -- decisions (live transitions only) -----------------------------------------------------
     def store_host(self, digest: bytes, src: int, priority: int) -> None:
-        """Copy device block ``src`` down to the host tier, unless it is there or cannot be."""
+        """Copy device block ``src`` down to the host tier, unless it is there or cannot be.
+
+        ``digest`` is the block's tier key.
+        """
         if not self.has_host or digest in self.h_pending or digest in self.h_index.entries:
             return
         if not self.h_num_free:

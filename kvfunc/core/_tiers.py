@@ -3,8 +3,12 @@
 Theory of operation
 -------------------
 A :class:`~kvfunc.core._tier_state.TieredState` wraps a device
-:class:`~kvfunc.KVState` (prefix caching, one full-attention group) and adds
-up to two lower tiers, keyed by the same block hashes as the device's cache::
+:class:`~kvfunc.KVState` (prefix caching, one pool: one full-attention group,
+or full-attention and sliding-window groups sharing a pool, of one block
+size) and adds up to two lower tiers, keyed by the same block hashes as the
+device's cache (with several groups, each hash followed by its group's
+byte, as the shared pool keys its own index: the groups' blocks of one hash
+hold different layers)::
 
     device  KVState: its pool, hash index and eviction order (untouched here)
       |  ^
@@ -19,9 +23,20 @@ The device goes through its own public transitions (``allocate_batch``,
 delta: the blocks it cached (``Stored`` rows) and evicted (``Evicted``
 rows).  A state with neither tier runs the device exactly as before.
 
-**Lookup** (:func:`lookup_tiers`): the device's own hit first, cut at the
-first block a load is still writing; then block by block, the host tier
-if it holds the block, else the remote tier, until a block is in neither.
+**Lookup** (:func:`lookup_tiers`): the device's own hit first, cut before
+the first block a load is still writing; then position by position, each
+group's block from the host tier if it holds it, else the remote tier,
+until a position where some group's block is in neither.
+
+**Windows.** Past the device hit, a sliding window's blocks are loaded at
+every position, also those that slide out of the window at once: the
+device gives an admission a block for each of those positions and caches
+it, so each must hold its KV (vLLM leaves them null instead).  So the lower
+part of a hit needs every group's block at each position, and ends where a
+window's block is missing below the device, even on a position the window
+would not read.  With ``"write-back"`` that happens when a window's block is
+still cached on the device while the full-attention block of the same
+position went down; ``"write-through"`` keeps both below.
 
 **Admission** (:func:`allocate_tiered`): an entry whose hit is a
 :class:`TieredHit` asks the device for its device hit plus new blocks for the
@@ -81,8 +96,9 @@ from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
 from kvfunc.core._fold import SlotRequest
 from kvfunc.core._hashing import BlockHashes
 from kvfunc.core._ops import Evicted, Stored
+from kvfunc.core._pool import cache_key
 from kvfunc.core._prefix import PrefixHit, lookup_prefix
-from kvfunc.core._state import FrozenDict, RequestId
+from kvfunc.core._state import RequestId
 from kvfunc.core._tier_delta import TierDelta
 from kvfunc.core._tier_state import (
     HOST_TO_DEVICE,
@@ -100,11 +116,16 @@ __all__ = ["TieredHit", "TieredResult", "allocate_tiered", "free_tiered", "looku
 class TieredHit:
     """A prefix hit across tiers: what :func:`lookup_tiers` found.
 
+    A lower block is one group's block at one position of the prefix: the
+    lower part of the hit holds, for each position after the device part, a
+    block of every group (in manager order), so the three per-block tuples
+    below list position after position, group after group.
+
     Attributes:
         device: the device part, a :class:`~kvfunc.PrefixHit`.
-        sources: per lower block, in prefix order, ``"host"`` or ``"remote"``.
+        sources: per lower block, ``"host"`` or ``"remote"``.
         host_block_ids: per lower block, its host block (``-1`` for remote).
-        hashes: per lower block, its hash.
+        hashes: per lower block, its tier key (:meth:`~kvfunc.TieredState.tier_key`).
         num_tokens: tokens of the whole hit (pass as ``computed_tokens``).
         query_tokens: tokens looked up.
 
@@ -152,6 +173,11 @@ def lookup_tiers(state: TieredState, block_hashes: BlockHashes, *,
                  max_tokens: int | None = None) -> TieredHit:
     """The longest prefix of ``block_hashes`` held by the device, then the host, then remote.
 
+    The device's own hit comes first (cut before any block a load is still
+    writing).  Each block after it must be held below the device in every
+    group, by the host tier or else the remote tier; the hit ends at the
+    first block that is not.
+
     Raises:
         InvalidTypeError, InvalidArgumentError: as :func:`~kvfunc.lookup_prefix`.
 
@@ -166,35 +192,54 @@ def lookup_tiers(state: TieredState, block_hashes: BlockHashes, *,
     """
     check_tiered(state)
     dev = lookup_prefix(state.device, block_hashes, max_tokens=max_tokens)
-    key, bs = state.group_key, state.block_size
-    table = dev.block_ids[key]
-    n = len(table)
     if state.device_pending:
-        n = next((i for i, b in enumerate(table) if b in state.device_pending), n)
-    if n < len(table):
-        dev = PrefixHit(n * bs, FrozenDict({key: table[:n]}), dev.query_tokens)
+        dev = _without_pending(state, block_hashes, dev)
+    bs = state.block_size
+    n = dev.num_tokens // bs
     ratio = bs // block_hashes.block_size
     limit = dev.query_tokens // bs
     host, remote = state.host, state.remote
     sources: list[str] = []
     blocks: list[int] = []
-    hashes: list[bytes] = []
+    keys: list[bytes] = []
     if host is not None or remote is not None:
         digests = block_hashes.hashes
+        tags = [state.device.pools[0].tag_of(k) for k in state.keys]
         for j in range(n, limit):
             d = digests[(j + 1) * ratio - 1]
-            entry = None if host is None else host.index.get(d)
-            if entry is not None:
-                sources.append("host")
-                blocks.append(entry.block)
-            elif remote is not None and remote.index.get(d) is not None:
-                sources.append("remote")
-                blocks.append(-1)
+            found = len(keys)
+            for tag in tags:
+                tk = cache_key(d, tag)
+                entry = None if host is None else host.index.get(tk)
+                if entry is not None:
+                    sources.append("host")
+                    blocks.append(entry.block)
+                elif remote is not None and remote.index.get(tk) is not None:
+                    sources.append("remote")
+                    blocks.append(-1)
+                else:
+                    break
+                keys.append(tk)
             else:
-                break
-            hashes.append(d)
-    return TieredHit(dev, tuple(sources), tuple(blocks), tuple(hashes),
-                     (n + len(hashes)) * bs, dev.query_tokens)
+                continue
+            del sources[found:], blocks[found:], keys[found:]  # a group lacks block j
+            break
+    lower = len(keys) // len(state.keys)
+    return TieredHit(dev, tuple(sources), tuple(blocks), tuple(keys), (n + lower) * bs,
+                     dev.query_tokens)
+
+
+def _without_pending(state: TieredState, block_hashes: BlockHashes, dev: PrefixHit
+                     ) -> PrefixHit:
+    """The device hit ``dev``, shortened until it holds no block a load is still writing."""
+    pending, query = state.device_pending, dev.query_tokens
+    while True:
+        cut = min((p for table in dev.block_ids.values() for p, b in enumerate(table)
+                   if b in pending), default=None)
+        if cut is None:
+            return dev
+        dev = lookup_prefix(state.device, block_hashes, max_tokens=cut * state.block_size)
+        dev = PrefixHit(dev.num_tokens, dev.block_ids, query)
 
 
 def _check_priorities(priorities: Any) -> dict[Any, int]:
@@ -225,23 +270,25 @@ def _admission(state: TieredState, e: tuple[Any, ...]) -> SlotRequest:
     hashes = e[6]
     if type(hashes) is not BlockHashes:
         raise InvalidTypeError(f"a TieredHit needs its BlockHashes, got {excerpt(hashes)}")
-    bs, first = state.block_size, hit.device.num_tokens // state.block_size
+    bs, first, keys = state.block_size, hit.device.num_tokens // state.block_size, state.keys
     ratio = bs // hashes.block_size if bs % hashes.block_size == 0 else 0
-    lower = len(hit.hashes)
-    if (not ratio or hit.device.num_tokens % bs or first * bs + lower * bs != hit.num_tokens
-            or not len(hit.sources) == len(hit.host_block_ids) == lower
+    lower, rest = divmod(len(hit.hashes), len(keys))
+    if (not ratio or rest or hit.device.num_tokens % bs
+            or first * bs + lower * bs != hit.num_tokens
+            or not len(hit.sources) == len(hit.host_block_ids) == len(hit.hashes)
             or hashes.num_blocks < (first + lower) * ratio):
         raise InvalidArgumentError(f"the TieredHit of {excerpt(rid)} does not fit its hashes")
     digests = hashes.hashes
     for k, (src, block, d) in enumerate(zip(hit.sources, hit.host_block_ids, hit.hashes,
                                             strict=True)):
+        position, g = divmod(k, len(keys))
         entry = None if state.host is None else state.host.index.get(d)
-        ok = digests[(first + k + 1) * ratio - 1] == d and (
+        ok = d == state.tier_key(keys[g], digests[(first + position + 1) * ratio - 1]) and (
             (src == "host" and entry is not None and entry.block == block) or
             (src == "remote" and block == -1 and state.remote is not None
              and state.remote.index.get(d) is not None))
         if not ok:
-            msg = f"the TieredHit of {excerpt(rid)} is stale or foreign at block {first + k}"
+            msg = f"the TieredHit of {excerpt(rid)} is stale or foreign at block {first + position}"
             raise InvalidArgumentError(msg)
     return SlotRequest(rid, hit.device.num_tokens, new + lower * bs, e[3], e[4], e[5], hashes,
                        hit.device)
@@ -310,19 +357,20 @@ def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
 
 def _start_loads(work: TierWork, rid: RequestId, hit: TieredHit) -> None:
     """One load per lower block of an admitted hit, into the device blocks it was given."""
-    bs = work.src.block_size
-    table = get_block_ids(work.device, rid)[work.src.group_key]
-    first, p = hit.device.num_tokens // bs, work.priorities.get(rid, 0)
+    tables, keys = get_block_ids(work.device, rid), work.src.keys
+    first, p = hit.device.num_tokens // work.src.block_size, work.priorities.get(rid, 0)
     for k, (src, block, d) in enumerate(zip(hit.sources, hit.host_block_ids, hit.hashes,
                                             strict=True)):
+        position, g = divmod(k, len(keys))
         work.start(HOST_TO_DEVICE if src == "host" else REMOTE_TO_DEVICE, d, block,
-                   table[first + k], rid, p)
+                   tables[keys[g]][first + position], rid, p)
 
 
 def _follow_device(work: TierWork, delta: BlocksChanged, evicted: dict[int, int]) -> None:
     """Start the stores the write policy asks for after the device did ``delta``."""
     if not work.has_host or not (delta.evicted_block_ids or delta.stored_block_ids):
         return
+    tier_key = work.src.tier_key
     if work.src.write_policy == "write-back":
         if not delta.evicted_block_ids:
             return
@@ -331,11 +379,13 @@ def _follow_device(work: TierWork, delta: BlocksChanged, evicted: dict[int, int]
             if type(op) is Stored:
                 stored_here.add(op.block_id)
             elif type(op) is Evicted and op.block_id not in stored_here:
-                work.store_host(op.block_hash, op.block_id, evicted.get(op.block_id, 0))
+                work.store_host(tier_key(op.key, op.block_hash), op.block_id,
+                                evicted.get(op.block_id, 0))
         return
     for op in delta.operations():
         if type(op) is Stored and op.block_id not in work.device_pending:
-            work.store_host(op.block_hash, op.block_id, work.priorities.get(op.request_id, 0))
+            work.store_host(tier_key(op.key, op.block_hash), op.block_id,
+                            work.priorities.get(op.request_id, 0))
 
 
 def free_tiered(state: TieredState, request_id: RequestId, *,

@@ -10,7 +10,9 @@ store was never a hit) and withdraws it when it evicts or drops it::
     W remote_dropped                    -> BlockRemoved(medium "REMOTE")
 
 Lower-tier ``BlockStored`` events carry no token ids and no parent hash (the
-tiers keep neither), as vLLM's offloading events do.
+tiers keep neither), as vLLM's offloading events do.  Each names the block's
+hash and its group (a tier keeps a device of several groups' blocks under
+tier keys; :meth:`~kvfunc.TieredState.split_key` reads them back).
 """
 
 from __future__ import annotations
@@ -66,20 +68,22 @@ def events_from_tier_delta(delta: TierDelta, before: TieredState) -> tuple[KVCac
     if type(before) is not TieredState:
         raise InvalidTypeError(f"before must be a TieredState, got {type(before).__name__}")
     events = list(events_from_delta(delta.device, before.device, medium=MEDIUM_GPU))
-    key, bs = before.group_key, before.block_size
+    split, bs = before.split_key, before.block_size
     started: dict[int, Any] = {m[0]: (m[1], m[2], m[4]) for m in delta.moves()}
     for code, row in delta.rows():
         if code == "K" and row[1] == "done":
             move = before.moves.get(row[0])
             direction, digest, dst = ((move.direction, move.digest, move.dst)
                                       if move is not None else started[row[0]])
+            key, h = split(digest)
             if direction == "device->host":
-                events.append(BlockStored((digest,), None, (), bs, None, MEDIUM_CPU, key,
-                                          (dst,)))
+                events.append(BlockStored((h,), None, (), bs, None, MEDIUM_CPU, key, (dst,)))
             elif direction == "host->remote":
-                events.append(BlockStored((digest,), None, (), bs, None, MEDIUM_REMOTE, key))
+                events.append(BlockStored((h,), None, (), bs, None, MEDIUM_REMOTE, key))
         elif code == "V":
-            events.append(BlockRemoved((row[1],), MEDIUM_CPU, key, (row[0],)))
+            key, h = split(row[1])
+            events.append(BlockRemoved((h,), MEDIUM_CPU, key, (row[0],)))
         elif code == "W":
-            events.append(BlockRemoved((row[0],), MEDIUM_REMOTE, key))
+            key, h = split(row[0])
+            events.append(BlockRemoved((h,), MEDIUM_REMOTE, key))
     return tuple(events)

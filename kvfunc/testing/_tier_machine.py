@@ -12,6 +12,16 @@ After every step the invariants compare the tiers with the model (hits,
 priorities, free host blocks, pending moves, the remote directory), run
 :func:`kvfunc.check_tiered_invariants`, and replay the whole log of
 :class:`kvfunc.TierDelta` from the first state.
+
+The device is one full-attention group, or (``hybrid``) a full-attention
+group and a sliding window sharing one pool.  :class:`_Contents` follows
+what each block *holds*, as a shell running the deltas would fill it: the
+forward pass writes the blocks of the tokens it computes, a store copies
+its source when it starts (a write-back store before the forward pass, a
+write-through one after it), a load writes its block when it is done (junk
+when it fails).  Every block a tier offers as a hit must hold the KV of its
+key: a device block cached under a hash, a host block in the index, a hash
+in the remote directory.
 """
 
 from __future__ import annotations
@@ -28,6 +38,64 @@ from kvfunc.testing._tier_model import NaiveTiers
 
 __all__ = ["TieredStateMachine"]
 
+_JUNK = b"junk"  # what a failed load leaves in its block
+
+
+class _Contents:
+    """What each device block, host block and remote key holds: the tier key of its KV."""
+
+    def __init__(self) -> None:
+        self.device: dict[int, bytes | None] = {}
+        self.host: dict[int, bytes | None] = {}
+        self.remote: dict[bytes, bytes | None] = {}
+
+    def apply(self, before: TieredState, after: TieredState, delta: kf.TierDelta,
+              forward: tuple[Any, int, int, BlockHashes] | None) -> None:
+        """Fill the blocks as a shell running ``delta`` (and the forward pass) would."""
+        for code, row in delta.rows():
+            if code == "K":
+                m = before.moves[row[0]]
+                if m.direction == "host->device":
+                    self.device[m.dst] = self.host.get(m.src) if row[1] == "done" else _JUNK
+                elif m.direction == "remote->device":
+                    self.device[m.dst] = (self.remote.get(m.digest) if row[1] == "done"
+                                          else _JUNK)
+        write_back = after.write_policy == "write-back"
+        moves = list(delta.moves())
+        for _, direction, digest, src, dst, *_ in moves:
+            if direction == "device->host" and write_back:
+                self.host[dst] = self.device.get(src)
+            elif direction == "host->remote":
+                self.remote[digest] = self.host.get(src)
+        if forward is not None:
+            self._forward(after, *forward)
+        for _, direction, _, src, dst, *_ in moves:
+            if direction == "device->host" and not write_back:
+                self.host[dst] = self.device.get(src)
+
+    def _forward(self, state: TieredState, rid: Any, start: int, end: int,
+                 hashes: BlockHashes) -> None:
+        """The forward pass of tokens ``start .. end - 1`` writes their blocks in every group."""
+        bs, tables = state.block_size, kf.get_block_ids(state.device, rid)
+        for key, table in tables.items():
+            for p in range(start // bs, -(-end // bs)):
+                b = table[p]
+                if b and b not in state.device_pending:
+                    full = (p + 1) * bs <= end
+                    self.device[b] = state.tier_key(key, hashes.hashes[p]) if full else None
+
+    def check(self, state: TieredState) -> None:
+        """Every hit a tier offers holds the KV of its key."""
+        for b, k in enumerate(state.device.pools[0].hash_of or ()):
+            if k is not None and b not in state.device_pending:
+                assert self.device.get(b) == k, f"device block {b} cached as {k!r} holds junk"
+        if state.host is not None:
+            for k, e in state.host.index.entries.items():
+                assert self.host.get(e.block) == k, f"host block {e.block} holds junk"
+        if state.remote is not None:
+            for k in state.remote.index.entries:
+                assert self.remote.get(k) == k, f"remote key {k!r} holds junk"
+
 _PREFIXES = (tuple(range(100, 112)), tuple(range(200, 212)), tuple(range(100, 106)),
              tuple(range(300, 316)))
 
@@ -41,8 +109,9 @@ class TieredStateMachine(RuleBasedStateMachine):
             kf.KVState.create({"f": kf.FullAttention(num_blocks=4, block_size=4)}, 64,
                               enable_prefix_caching=True))
         self.model = NaiveTiers(host_blocks=0, remote=False, remote_blocks=None,
-                                write_policy="write-back")
+                                write_policy="write-back", keys=("f",))
         self.deltas: list[kf.TierDelta] = []
+        self.contents = _Contents()
         self.tokens: dict[Any, list[int]] = {}
         self.computed: dict[Any, int] = {}
         self.count = 0
@@ -50,21 +119,28 @@ class TieredStateMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 7), block_size=st.sampled_from([2, 4]),
                 host_blocks=st.integers(0, 6), remote=st.booleans(),
                 remote_blocks=st.none() | st.integers(1, 6),
-                write_policy=st.sampled_from(kf.WRITE_POLICIES))
+                write_policy=st.sampled_from(kf.WRITE_POLICIES), hybrid=st.booleans())
     def setup(self, num_blocks: int, block_size: int, host_blocks: int, remote: bool,
-              remote_blocks: int | None, write_policy: str) -> None:
-        """Draw the device and the tiers."""
+              remote_blocks: int | None, write_policy: str, hybrid: bool) -> None:
+        """Draw the device (one full-attention group, or a full-attention group and a window
+        of two blocks sharing a pool twice the size) and the tiers."""
         remote_blocks = remote_blocks if remote else None
-        device = kf.KVState.create({"f": kf.FullAttention(num_blocks=num_blocks,
-                                                           block_size=block_size)},
-                                   128, enable_prefix_caching=True)
+        groups: dict[str, Any] = {"f": kf.FullAttention(num_blocks=num_blocks * (1 + hybrid),
+                                                        block_size=block_size)}
+        if hybrid:
+            groups["w"] = kf.SlidingWindow(num_blocks * 2, block_size, 2 * block_size)
+        device = kf.KVState.create(groups, 128, enable_prefix_caching=True,
+                                   layout="shared" if hybrid else "per-type")
         self.state = self.initial = TieredState.create(
-            device, host_blocks=host_blocks, remote=remote, remote_blocks=remote_blocks,
-            write_policy=write_policy)
-        self.model = NaiveTiers(host_blocks=host_blocks, remote=remote,
-                                remote_blocks=remote_blocks, write_policy=write_policy)
+            device, host_blocks=host_blocks * (1 + hybrid), remote=remote,
+            remote_blocks=remote_blocks, write_policy=write_policy)
+        self.model = NaiveTiers(host_blocks=host_blocks * (1 + hybrid), remote=remote,
+                                remote_blocks=remote_blocks, write_policy=write_policy,
+                                keys=tuple(groups))
 
-    def _commit(self, state: TieredState, delta: kf.TierDelta) -> None:
+    def _commit(self, state: TieredState, delta: kf.TierDelta,
+                forward: tuple[Any, int, int, BlockHashes] | None = None) -> None:
+        self.contents.apply(self.state, state, delta, forward)
         self.state = state
         self.deltas.append(delta)
         if delta.moved_ids:
@@ -81,13 +157,18 @@ class TieredStateMachine(RuleBasedStateMachine):
         self.count += 1
         h = BlockHashes.of(tokens, self.state.block_size)
         hit = kf.lookup_tiers(self.state, h, max_tokens=len(tokens) - 1)
-        table = hit.device.block_ids["f"]
         bs = self.state.block_size
-        n, sources, blocks = self.model.lookup(table, h.hashes, hit.query_tokens // bs)
-        assert (hit.device.num_tokens // bs, list(hit.sources), list(hit.host_block_ids)) == (
-            n, sources, blocks)
+        dev = kf.lookup_prefix(self.state.device, h, max_tokens=len(tokens) - 1)
+        while (cut := self.model.first_loading(dev.block_ids)) is not None:
+            dev = kf.lookup_prefix(self.state.device, h, max_tokens=cut * bs)
+            event("a device hit cut before a block being loaded")
+        assert (hit.device.num_tokens, hit.device.block_ids) == (dev.num_tokens, dev.block_ids)
+        n = dev.num_tokens // bs
+        sources, blocks, keys = self.model.lookup(n, h.hashes, hit.query_tokens // bs)
+        assert (list(hit.sources), list(hit.host_block_ids), list(hit.hashes)) == (
+            sources, blocks, keys)
         if hit.sources:
-            event(f"a hit from {sorted(set(hit.sources))}")
+            event(f"a hit from {sorted(set(hit.sources))} ({len(self.state.keys)} groups)")
         entry = (rid, hit.num_tokens, len(tokens) - hit.num_tokens, 0, 0, None, h, hit)
         res = kf.allocate_tiered(self.state, [entry], priorities={rid: priority})
         if res.refused:
@@ -95,10 +176,10 @@ class TieredStateMachine(RuleBasedStateMachine):
             return
         self.model.priorities[rid] = priority
         self.model.device_did(res.delta.device)
-        dev_table = kf.get_block_ids(res.state.device, rid)["f"]
-        self.model.admitted(rid, dev_table, n, sources, blocks, list(hit.hashes))
+        self.model.admitted(rid, kf.get_block_ids(res.state.device, rid), n, sources, blocks,
+                            keys)
         self.model.follow()
-        self._commit(res.state, res.delta)
+        self._commit(res.state, res.delta, (rid, hit.num_tokens, len(tokens), h))
         self.tokens[rid] = tokens
         self.computed[rid] = len(tokens)
         if finish and not kf.loads_pending(self.state, rid):
@@ -124,7 +205,7 @@ class TieredStateMachine(RuleBasedStateMachine):
             return
         self.model.device_did(res.delta.device)
         self.model.follow()
-        self._commit(res.state, res.delta)
+        self._commit(res.state, res.delta, (rid, c, len(tokens), h))
         self.tokens[rid] = tokens
         self.computed[rid] = len(tokens)
 
@@ -207,6 +288,9 @@ class TieredStateMachine(RuleBasedStateMachine):
         assert remote == m.remote_view()
         moves = {i: (mv.direction, mv.digest, mv.src, mv.dst) for i, mv in s.moves.items()}
         assert moves == m.moves_view()
+        assert all(s.tier_key(mv.key, s.split_key(mv.digest)[1]) == mv.digest
+                   for mv in s.moves.values())
+        self.contents.check(s)
 
     @invariant()
     def the_log_replays(self) -> None:

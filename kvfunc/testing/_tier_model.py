@@ -11,7 +11,9 @@ entry for the smallest ``(priority, last_use)`` among the unpinned ones.
 
 The device is not modelled here (the allocator's own model covers it): the
 model reads what the device did from its deltas (the ``Stored`` and
-``Evicted`` operations) and its tables, as the tiers do.
+``Evicted`` operations) and its tables, as the tiers do.  With several
+device groups (``keys``), a tier keeps each group's block of a hash apart:
+under the hash followed by the group's position in ``keys``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class NaiveTiers:
     """The host and remote tiers as plain mutable values (see the module docstring).
 
     >>> m = NaiveTiers(host_blocks=2, remote=False, remote_blocks=None,
-    ...                write_policy="write-back")
+    ...                write_policy="write-back", keys=("f",))
     >>> m.store_host(b"a", 5, 0); m.store_host(b"b", 6, 0); sorted(m.moves)
     [0, 1]
     >>> m.settle([0, 1], []); m.store_host(b"c", 7, 0); m.host_view()
@@ -59,8 +61,9 @@ class NaiveTiers:
     """
 
     def __init__(self, *, host_blocks: int, remote: bool, remote_blocks: int | None,
-                 write_policy: str) -> None:
+                 write_policy: str, keys: Sequence[str]) -> None:
         self.write_back = write_policy == "write-back"
+        self.keys = tuple(keys)
         self.host = _Index() if host_blocks else None
         self.free = list(range(host_blocks - 1, -1, -1))  # a stack: the last item goes first
         self.host_writes: dict[bytes, int] = {}
@@ -74,27 +77,36 @@ class NaiveTiers:
         self.loading: dict[int, int] = {}  # device block -> load id
 
     # -- queries -------------------------------------------------------------------------
-    def lookup(self, device_blocks: Sequence[int], digests: Sequence[bytes], limit: int
-               ) -> tuple[int, list[str], list[int]]:
-        """(device blocks of the hit, lower sources, their host blocks) for a prefix."""
-        n = len(device_blocks)
-        for i, b in enumerate(device_blocks):
-            if b in self.loading:
-                n = i
-                break
+    def key_of(self, group: str, digest: bytes) -> bytes:
+        """The tier key of group ``group``'s block of hash ``digest``."""
+        return digest if len(self.keys) == 1 else digest + bytes([self.keys.index(group)])
+
+    def first_loading(self, tables: Mapping[str, Sequence[int]]) -> int | None:
+        """The first table position, in any group, of a device block a load is writing."""
+        return min((p for t in tables.values() for p, b in enumerate(t) if b in self.loading),
+                   default=None)
+
+    def lookup(self, n: int, digests: Sequence[bytes], limit: int
+               ) -> tuple[list[str], list[int], list[bytes]]:
+        """(sources, host blocks, tier keys) of the lower blocks after ``n`` device blocks."""
         sources: list[str] = []
         blocks: list[int] = []
+        keys: list[bytes] = []
         for j in range(n, limit):
-            d = digests[j]
-            if self.host is not None and d in self.host.entries:
-                sources.append("host")
-                blocks.append(self.host.entries[d][0])
-            elif self.remote is not None and d in self.remote.entries:
-                sources.append("remote")
-                blocks.append(-1)
-            else:
+            row = []
+            for g in self.keys:
+                k = self.key_of(g, digests[j])
+                if self.host is not None and k in self.host.entries:
+                    row.append(("host", self.host.entries[k][0], k))
+                elif self.remote is not None and k in self.remote.entries:
+                    row.append(("remote", -1, k))
+            if len(row) < len(self.keys):
                 break
-        return n, sources, blocks
+            for src, block, k in row:
+                sources.append(src)
+                blocks.append(block)
+                keys.append(k)
+        return sources, blocks, keys
 
     def host_view(self) -> dict[bytes, tuple[int, int]]:
         """hash -> (host block, priority) of every host block that is a hit."""
@@ -183,18 +195,24 @@ class NaiveTiers:
             if type(op) is Stored:
                 stored_here.add(op.block_id)
                 if not self.write_back and op.block_id not in self.loading:
-                    self.store_host(op.block_hash, op.block_id,
+                    self.store_host(self.key_of(op.key, op.block_hash), op.block_id,
                                     self.priorities.get(op.request_id, 0))
             elif type(op) is Evicted and self.write_back and op.block_id not in stored_here:
-                self.store_host(op.block_hash, op.block_id, evicted_priority[op.block_id])
+                self.store_host(self.key_of(op.key, op.block_hash), op.block_id,
+                                evicted_priority[op.block_id])
 
-    def admitted(self, rid: Any, table: Sequence[int], first: int, sources: Sequence[str],
-                 host_blocks: Sequence[int], digests: Sequence[bytes]) -> None:
-        """Loads for an admitted hit: lower block ``k`` into device block ``table[first + k]``."""
+    def admitted(self, rid: Any, tables: Mapping[str, Sequence[int]], first: int,
+                 sources: Sequence[str], host_blocks: Sequence[int], keys: Sequence[bytes]
+                 ) -> None:
+        """Loads for an admitted hit: each group's lower blocks into the device blocks after
+        ``first``, position after position."""
         p = self.priorities.get(rid, 0)
-        for k, (src, block, d) in enumerate(zip(sources, host_blocks, digests, strict=True)):
-            direction = "host->device" if src == "host" else "remote->device"
-            self._start(direction, d, block, table[first + k], rid, p)
+        lower = iter(zip(sources, host_blocks, keys, strict=True))
+        for j in range(len(keys) // len(self.keys)):
+            for g in self.keys:
+                src, block, k = next(lower)
+                direction = "host->device" if src == "host" else "remote->device"
+                self._start(direction, k, block, tables[g][first + j], rid, p)
 
     def settle(self, done: Sequence[int], failed: Sequence[int]) -> None:
         """Report moves done, then moves failed."""
