@@ -34,7 +34,8 @@ from kvfunc.cli._inputs import show
 from kvfunc.cli._plan import entry_block_bytes
 from kvfunc.cli._presets import ModelPreset
 from kvfunc.cli._units import format_bytes, parse_bytes
-from kvfunc.core import MAX_NUM_BLOCKS, WRITE_POLICIES, KVState, TieredState
+from kvfunc.core import MAX_NUM_BLOCKS, WRITE_POLICIES, KVState, NotSupportedError, TieredState
+from kvfunc.core._shared_sizing import shared_page_layout
 
 __all__ = ["OffloadConfig", "TierCounts", "TierReport", "block_bytes", "parse_remote",
            "tiered_state"]
@@ -118,13 +119,21 @@ through host memory
         return bool(self.host_bytes) or self.remote
 
 
-def block_bytes(model: ModelPreset) -> int:
-    """Bytes one block of the model's paged caches takes over every layer.
+def block_bytes(model: ModelPreset, layout: str = "per-type") -> int:
+    """Bytes of one device block, as a tier below the device holds it.
+
+    In a pool per type, a block of the model's one group over every layer;
+    in a shared pool, a page (it holds one group's block over that group's
+    layers, and the page is sized for the largest group).
 
     >>> from kvfunc.cli._presets import build_preset
     >>> block_bytes(build_preset("llama-3-8b")), block_bytes(build_preset("deepseek-v3"))
     (2097152, 4571136)
+    >>> block_bytes(build_preset("gpt-oss-120b"), "shared")
+    589824
     """
+    if layout == "shared":
+        return shared_page_layout(model.cache_info).page_bytes
     return sum(entry_block_bytes(c) for _, c in model.cache_info.iter_caches()
                if c.needs_block)
 
@@ -133,7 +142,9 @@ def tiered_state(device: KVState, offload: OffloadConfig, block_bytes: int) -> T
     """The tiers of ``offload`` behind ``device``, blocks of ``block_bytes`` each.
 
     Raises:
-        CLIError: the device has several groups, or a tier holds no block or too many.
+        CLIError: tiers cannot serve the device (a pool per group, a group
+            that is neither full attention nor a sliding window), or a tier
+            holds no block or too many.
 
     >>> from kvfunc.core import FullAttention
     >>> dev = KVState.create({"f": FullAttention(num_blocks=8, block_size=16)}, 1024,
@@ -142,9 +153,6 @@ def tiered_state(device: KVState, offload: OffloadConfig, block_bytes: int) -> T
     >>> t.host.num_blocks, t.remote.capacity
     (16, 32)
     """
-    if len(device.groups) != 1:
-        raise CLIError(f"--host-memory serves a model of one full-attention group; this one "
-                       f"has {', '.join(device.manager_keys)}")
     sizes = {"--host-memory": offload.host_bytes, "--remote size": offload.remote_bytes}
     blocks: dict[str, int | None] = {}
     for name, size in sizes.items():
@@ -153,9 +161,14 @@ def tiered_state(device: KVState, offload: OffloadConfig, block_bytes: int) -> T
             raise CLIError(f"{name} {format_bytes(size)} holds {n:,} blocks of "
                            f"{format_bytes(block_bytes)}; it must hold 1 to {MAX_NUM_BLOCKS:,}")
         blocks[name] = n
-    return TieredState.create(device, host_blocks=blocks["--host-memory"] or 0,
-                              remote=offload.remote, remote_blocks=blocks["--remote size"],
-                              write_policy=offload.write_policy)
+    try:
+        return TieredState.create(device, host_blocks=blocks["--host-memory"] or 0,
+                                  remote=offload.remote, remote_blocks=blocks["--remote size"],
+                                  write_policy=offload.write_policy)
+    except NotSupportedError as exc:
+        hint = " (try --layout shared)" if len(device.pools) > 1 else ""
+        raise CLIError(f"--host-memory cannot serve this model's groups "
+                       f"{', '.join(device.manager_keys)}: {exc}{hint}") from exc
 
 
 class TierCounts:

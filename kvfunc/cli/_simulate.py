@@ -312,7 +312,7 @@ def run_simulation(config: SimulationConfig, *, record: IO[str] | None = None,
     requests = config.trace.requests
     prefix = (PrefixCacher(requests, hash_block_size(state), hash_fn=PREFIX_HASH_FN)
               if config.caches_prefixes else None)
-    tiers = (tiered_state(state, config.offload, block_bytes(config.model))
+    tiers = (tiered_state(state, config.offload, block_bytes(config.model, config.layout))
              if config.offload.enabled else None)
     sched_config = SchedulerConfig(
         max_num_seqs=config.concurrency, max_batched_tokens=config.max_batched_tokens,
@@ -357,8 +357,8 @@ def _tier_report(config: SimulationConfig, sched: Scheduler) -> TierReport | Non
     if not isinstance(sched, TieredScheduler):
         return None
     off = config.offload
-    return tier_report(sched, block_bytes=block_bytes(config.model), host_gbps=off.host_gbps,
-                       remote_gbps=off.remote_gbps,
+    return tier_report(sched, block_bytes=block_bytes(config.model, config.layout),
+                       host_gbps=off.host_gbps, remote_gbps=off.remote_gbps,
                        prefill_tokens_per_s=config.max_batched_tokens / (config.step_ms / 1000))
 
 

@@ -110,8 +110,9 @@ class TieredScheduler(Scheduler):
             counts.loaded_blocks["remote"] += hit.remote_blocks
         if not again:
             counts.hit_tokens["device"] += hit.device.num_tokens
-            counts.hit_tokens["host"] += hit.host_blocks * bs
-            counts.hit_tokens["remote"] += hit.remote_blocks * bs
+            positions = hit.position_sources  # a position of several groups: its slowest
+            counts.hit_tokens["host"] += positions.count("host") * bs
+            counts.hit_tokens["remote"] += positions.count("remote") * bs
 
 
 def tier_report(sched: TieredScheduler, *, block_bytes: int, host_gbps: float,

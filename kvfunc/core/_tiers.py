@@ -153,6 +153,22 @@ class TieredHit:
         """Blocks the hit loads from the remote tier."""
         return self.sources.count("remote")
 
+    @property
+    def position_sources(self) -> tuple[str, ...]:
+        """Per position of the lower part, the slowest tier it loads from.
+
+        ``"remote"`` when any group's block at that position comes from the
+        remote tier, else ``"host"`` (one item per ``block_size`` tokens).
+
+        >>> from kvfunc.core import PrefixHit
+        >>> TieredHit(PrefixHit(0, {"f": (), "w": ()}, 9), ("host", "remote", "host", "host"),
+        ...           (1, -1, 2, 3), (b"a0", b"a1", b"b0", b"b1"), 8, 9).position_sources
+        ('remote', 'host')
+        """
+        g = len(self.device.block_ids) or 1
+        return tuple("remote" if "remote" in self.sources[i:i + g] else "host"
+                     for i in range(0, len(self.sources), g))
+
 
 class TieredResult(NamedTuple):
     """Outcome of :func:`allocate_tiered`: the state, the delta, the refused requests.
@@ -370,7 +386,7 @@ def _follow_device(work: TierWork, delta: BlocksChanged, evicted: dict[int, int]
     """Start the stores the write policy asks for after the device did ``delta``."""
     if not work.has_host or not (delta.evicted_block_ids or delta.stored_block_ids):
         return
-    tier_key = work.src.tier_key
+    tier_key = work.tier_key
     if work.src.write_policy == "write-back":
         if not delta.evicted_block_ids:
             return

@@ -42,6 +42,7 @@ from kvfunc.shell._reference_model import TinyDecoder, TinyDecoderConfig
 from kvfunc.shell._shared_tensors import (
     create_shared_cache_tensors,
     overlay_view,
+    shared_page_buffers,
     with_shared_cache_tensors,
 )
 from kvfunc.shell._store_errors import (
@@ -128,6 +129,7 @@ __all__ = [
     "paged_attention",
     "plan_cache_tensors",
     "resolve_device",
+    "shared_page_buffers",
     "slot_mapping",
     "specs_from_state",
     "swap_blocks",

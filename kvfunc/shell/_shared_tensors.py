@@ -24,9 +24,19 @@ and the host tier work on them unchanged; only their first stride differs
 when a slot's page holds more than the entry.  Device buffers start at a
 2 MiB boundary.  ``swapped_memory`` entries are not overlaid: each gets a
 host tensor of its own, as :func:`~kvfunc.shell.with_cache_tensors` makes.
+
+A tier below the device keeps pages, not entries: block ``b`` is page ``b``
+of every slot, whichever group holds it.  :func:`shared_page_buffers` finds
+the slot buffers under the views, as ``(num_blocks, page)`` byte tensors, so
+a :class:`~kvfunc.shell.HostBlockPool` made like them and a
+:class:`~kvfunc.shell.BlockMover` over them move each block once, a page per
+slot (over the views, each page would be copied once per group).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -35,11 +45,13 @@ from kvfunc.core import (
     MAX_NUM_BLOCKS,
     CacheAllocator,
     InvalidArgumentError,
+    InvalidTypeError,
     ModelCacheInfo,
     PageEntry,
     SharedPageLayout,
     shared_page_layout,
 )
+from kvfunc.shell._blocks import TensorSet
 from kvfunc.shell._device import DeviceLike, resolve_device
 from kvfunc.shell._tensors import (
     CacheTensorSpec,
@@ -48,7 +60,8 @@ from kvfunc.shell._tensors import (
     plan_cache_tensors,
 )
 
-__all__ = ["create_shared_cache_tensors", "overlay_view", "with_shared_cache_tensors"]
+__all__ = ["create_shared_cache_tensors", "overlay_view", "shared_page_buffers",
+           "with_shared_cache_tensors"]
 
 
 def _check_num_blocks(num_blocks: object) -> int:
@@ -185,3 +198,73 @@ def with_shared_cache_tensors(cache_info: ModelCacheInfo, num_blocks: int,
                        for e in layer.caches)
         layers.append(attrs.evolve(layer, caches=caches))
     return attrs.evolve(cache_info, layer_infos=layers)
+
+
+def shared_page_buffers(tensors: TensorSet) -> list[torch.Tensor]:
+    """The slot buffers under overlaid views: one ``(num_blocks, page)`` byte tensor per slot.
+
+    ``tensors`` are the device entries' views (of a ``ModelCacheInfo`` made by
+    :func:`with_shared_cache_tensors`, or of :func:`create_shared_cache_tensors`,
+    swapped entries left out).  Views over one storage make one slot; its
+    page is their first stride, and it starts at the lowest byte any of them
+    starts at.  Row ``b`` of a buffer holds block ``b`` of every view over it.
+
+    Raises:
+        InvalidTypeError: ``tensors`` is not a mapping or sequence of tensors.
+        InvalidArgumentError: no tensor, or views of one storage that disagree on
+            the device, the number of blocks or the page, a block that is not
+            contiguous or does not fit its page, or pages past the storage's end.
+
+    >>> import kvfunc as kf
+    >>> full = kf.CacheEntry("k", "FullAttention", 8, 2, "fp32", True, block_size=4)
+    >>> swa = kf.CacheEntry("k", "SlidingWindow", 8, 2, "fp32", True, block_size=4,
+    ...                     sliding_window=8)
+    >>> info = kf.ModelCacheInfo(2, [kf.LayerCacheInfo(0, [full]), kf.LayerCacheInfo(1, [swa])])
+    >>> views = [l.caches[0].tensor for l in with_shared_cache_tensors(info, 6, "cpu").layer_infos]
+    >>> [tuple(b.shape) for b in shared_page_buffers(views)]
+    [(6, 256)]
+    >>> _ = views[1][3].fill_(1.0); bool(shared_page_buffers(views)[0][3].any())
+    True
+    """
+    views = list(_tensors_of(tensors))
+    if not views:
+        raise InvalidArgumentError("shared_page_buffers needs at least one tensor")
+    slots: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    for t in views:
+        key = (t.device, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        slots.setdefault(key, []).append(t)
+    out = []
+    for (device, _, nbytes), members in slots.items():
+        first = members[0]
+        n, page = first.shape[0] if first.dim() else 0, _page_of(first)
+        start = min(t.storage_offset() * t.element_size() for t in members)
+        for t in members:
+            block = t.element_size() * (t[0].numel() if t.dim() and t.shape[0] else 0)
+            at = t.storage_offset() * t.element_size() - start
+            if (t.dim() < 2 or t.shape[0] != n or _page_of(t) != page
+                    or (n and not t[0].is_contiguous()) or at + block > page):
+                msg = (f"views over one buffer must share their device, number of blocks and "
+                       f"page, each block contiguous inside it: a view of shape "
+                       f"{tuple(t.shape)} and strides {t.stride()} does not fit a page of "
+                       f"{page} bytes at byte {at}")
+                raise InvalidArgumentError(msg)
+        if n and start + n * page > nbytes:
+            raise InvalidArgumentError(f"{n} pages of {page} bytes from byte {start} pass the "
+                                       f"end of a buffer of {nbytes} bytes")
+        buffer = torch.empty(0, dtype=torch.uint8, device=device)
+        out.append(buffer.set_(first.untyped_storage(), start, (n, page), (page, 1)))
+    return out
+
+
+def _page_of(t: torch.Tensor) -> int:
+    return t.stride(0) * t.element_size() if t.dim() else 0
+
+
+def _tensors_of(tensors: object) -> list[torch.Tensor]:
+    items = (list(tensors.values()) if isinstance(tensors, Mapping)
+             else list(tensors) if isinstance(tensors, Sequence) and not isinstance(
+                 tensors, str | bytes) else None)
+    if items is None or not all(isinstance(t, torch.Tensor) for t in items):
+        raise InvalidTypeError(f"tensors must be a mapping or sequence of tensors, got "
+                               f"{type(tensors).__name__}")
+    return items

@@ -41,16 +41,40 @@ def test_hostile_tier_flags(capsys: pytest.CaptureFixture[str], flags: tuple[str
     assert (code, len(lines), needle in err, len(err) < 400) == (2, 1, True, True), err
 
 
-def test_tiers_need_a_trace_with_blocks_and_one_group(capsys: pytest.CaptureFixture[str]
-                                                      ) -> None:
-    """A trace without block ids, or a model of several groups, is refused with exit 2."""
+def test_tiers_need_a_trace_with_blocks_and_one_pool(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """A trace without block ids, a hybrid model in a pool per type, or a model with a
+    recurrent state is refused with exit 2."""
     code, _, err = run_main(capsys, "simulate", "--preset", "llama-3-8b", "--trace", "conv",
                             "--memory", "8GiB", "--host-memory", "8GiB", "--no-plot")
     assert code == 2 and "prefix caching" in err, err
-    code, _, err = run_main(capsys, "simulate", "--preset", "gpt-oss-120b", "--trace",
-                            "mooncake-conversation", "--requests", "5", "--memory", "24GiB",
-                            "--host-memory", "8GiB", "--no-plot", "--no-progress")
-    assert code == 2 and "one full-attention group" in err, err
+    for preset, layout, needle in (("gpt-oss-120b", "per-type", "try --layout shared"),
+                                   ("qwen3-next-80b", "shared", "sliding windows")):
+        code, _, err = run_main(capsys, "simulate", "--preset", preset, "--trace",
+                                "mooncake-conversation", "--requests", "5", "--memory", "24GiB",
+                                "--layout", layout, "--host-memory", "8GiB", "--no-plot",
+                                "--no-progress")
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_host_memory_behind_a_hybrid_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """gpt-oss-120b in the shared layout: a host tier of pages adds host hits, and each
+    position hit below the device loads a block of each of its two groups."""
+    run = ("simulate", "--preset", "gpt-oss-120b", "--trace", "mooncake-conversation",
+           "--requests", "150", "--memory", "4GiB", "--no-plot", "--no-progress", "--json")
+    code, out, err = run_main(capsys, *run)
+    assert code == 0, err
+    plain = json.loads(out)
+    code, out, err = run_main(capsys, *run, "--host-memory", "32GiB")
+    assert code == 0, err
+    tiered = json.loads(out)
+    t = tiered["tiers"]
+    assert t["block_bytes"] == 589824  # a page of the shared pool
+    assert t["hit_tokens"]["host"] > 0 and t["hit_tokens"]["device"] > 0
+    loaded = t["loaded_blocks"]["host"]  # first admissions, and again after a preemption
+    assert loaded % 2 == 0 and loaded >= 2 * t["hit_tokens"]["host"] // 16  # blocks of 16
+    hits = sum(t["hit_tokens"].values())
+    assert hits == tiered["prefix_cache"]["hit_tokens"] > plain["prefix_cache"]["hit_tokens"]
 
 
 def test_host_memory_hits_below_the_device(capsys: pytest.CaptureFixture[str]) -> None:
