@@ -241,7 +241,9 @@ def test_a_block_being_loaded_is_no_hit() -> None:
     hit = lookup_tiers(log.state, h, max_tokens=12)
     assert (hit.device.num_tokens, hit.sources) == (0, ("host", "host", "host"))
     res = log.run("a3", a)                      # loads again from the host, pinned twice
-    assert [m[1] for m in res.delta.moves()][:3] == ["host->device"] * 3
+    directions = [m[1] for m in res.delta.moves()]  # stores of evicted blocks, then loads
+    assert directions.count("host->device") == 3 and "device->host" in directions
+    assert directions == sorted(directions, key=lambda d: d == "host->device")
     entry = log.state.host.index.get(h.hashes[0])
     assert entry is not None and entry.pins == 2
     log.settle_all()
@@ -396,3 +398,29 @@ def test_a_hybrid_failed_window_load_recomputes_from_its_position() -> None:
     h = BlockHashes.of(a, BS)
     assert kf.lookup_prefix(log.state.device, h, max_tokens=2 * BS).num_tokens == BS
     assert kf.lookup_prefix(log.state.device, h, max_tokens=16).num_tokens == 16
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_store_of_an_evicted_block_comes_before_the_load_into_it(hybrid: bool) -> None:
+    """When an admission's loads go into blocks the device just evicted, the stores of those
+    blocks' old contents come first in the delta (the shell runs moves in row order)."""
+    groups: dict[str, kf.Policy] = {"f": FullAttention(num_blocks=9 if hybrid else 5,
+                                                         block_size=2)}
+    if hybrid:
+        groups["w"] = kf.SlidingWindow(num_blocks=9, block_size=2, sliding_window=2)
+    dev = KVState.create(groups, 64, enable_prefix_caching=True,
+                         layout="shared" if hybrid else "per-type")
+    log = Log(TieredState.create(dev, host_blocks=16))
+    a, b = BlockHashes.of(range(8), 2), BlockHashes.of(range(50, 58), 2)
+    for rid, h in (("a", a), ("b", b)):
+        log.keep(*allocate_tiered(log.state, [(rid, 0, 8)], block_hashes={rid: h})[:2])
+        log.free(rid)
+    log.settle_all()
+    hit = lookup_tiers(log.state, a, max_tokens=7)
+    res = allocate_tiered(log.state, [("a2", hit.num_tokens, 1, 0, 0, None, a, hit)])
+    log.keep(res.state, res.delta)
+    rows = list(res.delta.moves())
+    stored_from = {row[3]: i for i, row in enumerate(rows) if row[1] == "device->host"}
+    loaded_into = {row[4]: i for i, row in enumerate(rows) if row[1] == "host->device"}
+    both = stored_from.keys() & loaded_into.keys()
+    assert both and all(stored_from[blk] < loaded_into[blk] for blk in both)

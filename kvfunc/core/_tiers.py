@@ -49,9 +49,11 @@ hash, staging it through host memory of its own).
 
 * ``"write-back"``: a block the device evicts is stored to the host
   (``device->host``); the shell runs these stores *before* the step's
-  forward pass, since the delta hands their blocks out again.  A block the
-  host evicts is stored to the remote tier (``host->remote``), read before
-  the store that reuses its host block.
+  forward pass, since the delta hands their blocks out again, and before the
+  step's loads, which may write the same blocks: their rows come first (the
+  loads' lower sources are pinned meanwhile, so no store evicts them).  A
+  block the host evicts is stored to the remote tier (``host->remote``), read
+  before the store that reuses its host block.
 * ``"write-through"``: a block the device caches is stored to the host at
   once; the shell runs these stores *after* the step's forward pass fills
   them.  Once a host store is done, the block is stored remotely too.
@@ -364,11 +366,32 @@ def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
         if rid not in refused and res.state.groups[0].row(rid) is not None:
             work.prioritize(rid, p)
     evicted = work.note_device(res.delta)
-    for rid, hit in admits.items():
-        if rid not in refused and hit.hashes:
+    loading = [(rid, hit) for rid, hit in admits.items() if rid not in refused and hit.hashes]
+    if state.write_policy == "write-back" and loading and res.delta.evicted_block_ids:
+        # The stores of evicted blocks read them before the loads into them write them, so
+        # their rows come first; the loads' sources are held meanwhile (no store evicts them).
+        held = [(src == "host", d) for _, hit in loading
+                for src, d in zip(hit.sources, hit.hashes, strict=True)]
+        _hold(work, held, True)
+        _follow_device(work, res.delta, evicted)
+        for rid, hit in loading:
             _start_loads(work, rid, hit)
-    _follow_device(work, res.delta, evicted)
+        _hold(work, held, False)
+    else:  # write-through: the stores of blocks just cached leave out those being loaded
+        for rid, hit in loading:
+            _start_loads(work, rid, hit)
+        _follow_device(work, res.delta, evicted)
     return TieredResult(work.freeze(), work.sink.build(res.delta), res.refused)
+
+
+def _hold(work: TierWork, held: list[tuple[bool, bytes]], on: bool) -> None:
+    """Pin (``on``) or unpin the lower entries ``held`` names (host: True), recording nothing:
+    the pins of one transition cancel out, and the loads' own pins stay."""
+    for host, d in held:
+        if host:
+            work.h_index = work.h_index.pin(d) if on else work.h_index.unpin(d)
+        else:
+            work.r_index = work.r_index.pin(d) if on else work.r_index.unpin(d)
 
 
 def _start_loads(work: TierWork, rid: RequestId, hit: TieredHit) -> None:

@@ -16,10 +16,10 @@ priorities, free host blocks, pending moves, the remote directory), run
 The device is one full-attention group, or (``hybrid``) a full-attention
 group and a sliding window sharing one pool.  :class:`_Contents` follows
 what each block *holds*, as a shell running the deltas would fill it: the
-forward pass writes the blocks of the tokens it computes, a store copies
-its source when it starts (a write-back store before the forward pass, a
-write-through one after it), a load writes its block when it is done (junk
-when it fails).  Every block a tier offers as a hit must hold the KV of its
+forward pass writes the blocks of the tokens it computes, a move copies
+when it starts, in the delta's row order (a write-back store before the
+forward pass, a write-through one after it), and a load that is reported
+failed leaves junk.  Every block a tier offers as a hit must hold the KV of its
 key: a device block cached under a hash, a host block in the index, a hash
 in the remote directory.
 """
@@ -51,15 +51,13 @@ class _Contents:
 
     def apply(self, before: TieredState, after: TieredState, delta: kf.TierDelta,
               forward: tuple[Any, int, int, BlockHashes] | None) -> None:
-        """Fill the blocks as a shell running ``delta`` (and the forward pass) would."""
+        """Fill the blocks as a shell running ``delta`` (and the forward pass) would: moves in
+        row order, a load writing its block when it runs (junk if it is reported failed)."""
         for code, row in delta.rows():
-            if code == "K":
+            if code == "K" and row[1] == "failed":
                 m = before.moves[row[0]]
-                if m.direction == "host->device":
-                    self.device[m.dst] = self.host.get(m.src) if row[1] == "done" else _JUNK
-                elif m.direction == "remote->device":
-                    self.device[m.dst] = (self.remote.get(m.digest) if row[1] == "done"
-                                          else _JUNK)
+                if m.direction in ("host->device", "remote->device"):
+                    self.device[m.dst] = _JUNK
         write_back = after.write_policy == "write-back"
         moves = list(delta.moves())
         for _, direction, digest, src, dst, *_ in moves:
@@ -67,6 +65,10 @@ class _Contents:
                 self.host[dst] = self.device.get(src)
             elif direction == "host->remote":
                 self.remote[digest] = self.host.get(src)
+            elif direction == "host->device":
+                self.device[dst] = self.host.get(src)
+            elif direction == "remote->device":
+                self.device[dst] = self.remote.get(digest)
         if forward is not None:
             self._forward(after, *forward)
         for _, direction, _, src, dst, *_ in moves:
@@ -176,9 +178,17 @@ class TieredStateMachine(RuleBasedStateMachine):
             return
         self.model.priorities[rid] = priority
         self.model.device_did(res.delta.device)
-        self.model.admitted(rid, kf.get_block_ids(res.state.device, rid), n, sources, blocks,
-                            keys)
-        self.model.follow()
+        tables = kf.get_block_ids(res.state.device, rid)
+        if (self.state.write_policy == "write-back" and keys
+                and res.delta.device.evicted_block_ids):  # stores first, then the loads
+            event("stores of evicted blocks before a hit's loads")
+            self.model.hold(sources, keys, 1)
+            self.model.follow()
+            self.model.admitted(rid, tables, n, sources, blocks, keys)
+            self.model.hold(sources, keys, -1)
+        else:
+            self.model.admitted(rid, tables, n, sources, blocks, keys)
+            self.model.follow()
         self._commit(res.state, res.delta, (rid, hit.num_tokens, len(tokens), h))
         self.tokens[rid] = tokens
         self.computed[rid] = len(tokens)

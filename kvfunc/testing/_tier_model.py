@@ -214,6 +214,13 @@ class NaiveTiers:
                 direction = "host->device" if src == "host" else "remote->device"
                 self._start(direction, k, block, tables[g][first + j], rid, p)
 
+    def hold(self, sources: Sequence[str], keys: Sequence[bytes], by: int) -> None:
+        """Pin (``by`` 1) or unpin (-1) a hit's lower entries while the stores of evicted
+        blocks start before its loads (the loads' own pins outlast these)."""
+        for src, k in zip(sources, keys, strict=True):
+            tier = self.host if src == "host" else self.remote
+            tier.entries[k][3] += by  # type: ignore[union-attr]
+
     def settle(self, done: Sequence[int], failed: Sequence[int]) -> None:
         """Report moves done, then moves failed."""
         for i in done:
