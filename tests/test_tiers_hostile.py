@@ -195,3 +195,79 @@ def test_a_hybrid_log_naming_the_wrong_group_is_refused(index: int, swap: str) -
     with pytest.raises(kf.ReplayMismatchError) as info:
         kf.replay_tiered(t0, [bad])
     assert len(str(info.value)) < SHORT
+
+
+class _Bytes(bytes):
+    """A bytes subclass: not a tier key."""
+
+
+@pytest.mark.parametrize("cell", ["source", "block", "key"])
+@pytest.mark.parametrize("kind", ["float", "numpy", "subclass", "bytearray"])
+def test_a_hit_with_a_cell_of_a_wrong_type_is_refused(cell: str, kind: str) -> None:
+    """A TieredHit whose source, host block or tier key has a wrong type (a float, a numpy
+    integer, a subclass, a bytearray) is an InvalidTypeError: its delta would not replay."""
+    import numpy as np
+
+    sources, blocks, keys = list(HIT.sources), list(HIT.host_block_ids), list(HIT.hashes)
+    if cell == "block":
+        blocks[0] = {"float": float(blocks[0]), "numpy": np.int64(blocks[0]),
+                     "subclass": kf.core._checks, "bytearray": True}[kind]
+    elif cell == "key":
+        keys[0] = {"float": 1.0, "numpy": np.bytes_(keys[0]), "subclass": _Bytes(keys[0]),
+                   "bytearray": bytearray(keys[0])}[kind]
+    else:
+        sources[0] = {"float": 1.0, "numpy": np.str_("host"), "subclass": np.str_("host"),
+                      "bytearray": bytearray(b"host")}[kind]
+    forged = kf.TieredHit(HIT.device, tuple(sources), tuple(blocks), tuple(keys),
+                          HIT.num_tokens, HIT.query_tokens)
+    with pytest.raises(kf.InvalidTypeError):
+        kf.allocate_tiered(STATE, [("c", 12, 1, 0, 0, None, HASHES, forged)])
+
+
+def test_a_hit_sharing_a_block_being_loaded_is_refused() -> None:
+    """While loads write device blocks, a device hit that shares them (a plain PrefixHit, or
+    the device part of a TieredHit, looked up on the device alone) is refused."""
+    raw = kf.lookup_prefix(LOADING.device, HASHES, max_tokens=12)
+    assert any(b in LOADING.device_pending for t in raw.block_ids.values() for b in t)
+    for hit in (raw, kf.TieredHit(raw, (), (), (), raw.num_tokens, 12)):
+        before = repr(LOADING)
+        with pytest.raises(kf.InvalidArgumentError, match="a load is still writing"):
+            kf.allocate_tiered(LOADING, [("d", raw.num_tokens, 1, 0, 0, None, HASHES, hit)])
+        assert repr(LOADING) == before
+    good = kf.lookup_tiers(LOADING, HASHES, max_tokens=12)  # stops before them: taken
+    kf.allocate_tiered(LOADING, [("d", good.num_tokens, 1, 0, 0, None, HASHES, good)])
+
+
+@pytest.mark.parametrize("forgery", ["indexed", "not-evicted", "other-group", "empty-hash"])
+def test_a_forged_store_in_a_hybrid_log_is_refused(forgery: str) -> None:
+    """A store to the host of a key the host already holds, of a block its delta neither
+    cached nor evicted, of a block re-tagged to the other group (key and tag agreeing), or
+    of an empty hash: a ReplayMismatchError."""
+    import attrs
+
+    t0, delta = HYBRID
+    t1 = kf.complete_moves(kf.replay_tiered(t0, [delta]), done=[0]).state  # key 0 indexed
+    t1, freed = kf.free_tiered(t1, "a")
+    hashes, srcs, keys = list(delta.moved_hashes), list(delta.moved_src_block_ids), \
+        list(delta.moved_keys)
+    i = 1
+    if forgery == "indexed":
+        hashes[i], keys[i] = hashes[0], keys[0]
+    elif forgery == "not-evicted":
+        srcs[i] = 10
+    elif forgery == "other-group":
+        other = "w" if keys[i] == "f" else "f"
+        hashes[i], keys[i] = t0.tier_key(other, t0.split_key(hashes[i])[1]), other
+    else:
+        hashes[i], keys[i] = b"\x01", "w"
+    bad = attrs.evolve(delta, moved_hashes=tuple(hashes), moved_src_block_ids=tuple(srcs),
+                       moved_keys=tuple(keys))
+    base = t0
+    if forgery == "indexed":  # the same store twice: once done, then again in a later delta
+        base = kf.complete_moves(kf.replay_tiered(t0, [delta]), done=[0]).state
+        bad = attrs.evolve(bad, moved_ids=tuple(m + base.next_move_id for m in bad.moved_ids),
+                           device=kf.BlocksChanged())
+    with pytest.raises(kf.ReplayMismatchError) as info:
+        kf.replay_tiered(base, [bad])
+    assert len(str(info.value)) < SHORT
+    assert freed is not None

@@ -17,6 +17,7 @@ from typing import Any
 from kvfunc.core._checks import excerpt, is_priority, is_request_id
 from kvfunc.core._errors import InvalidTypeError, KVFuncError, ReplayMismatchError
 from kvfunc.core._invariants import check_invariants
+from kvfunc.core._ops import Evicted, Stored
 from kvfunc.core._replay import replay
 from kvfunc.core._tier_delta import TIER_DELTA_VERSION, TierDelta
 from kvfunc.core._tier_index import TierIndex
@@ -136,11 +137,12 @@ def replay_tiered(state: TieredState, deltas: Iterable[TierDelta]) -> TieredStat
             rows = list(d.rows())
             k = 0
             while k < len(rows) and rows[k][0] == "P":
-                _apply(work, "P", rows[k][1])
+                _apply(work, "P", rows[k][1], set())
                 k += 1
             work.note_device(d.device)
+            cached = _cached_by(work, d) if "device->host" in d.moved_directions else set()
             for code, row in rows[k:]:
-                _apply(work, code, row)
+                _apply(work, code, row, cached)
         except ReplayMismatchError:
             raise
         except (KeyError, IndexError, ValueError, TypeError, AssertionError, KVFuncError) as exc:
@@ -150,8 +152,21 @@ def replay_tiered(state: TieredState, deltas: Iterable[TierDelta]) -> TieredStat
     return state
 
 
-def _apply(work: TierWork, code: str, row: tuple[Any, ...]) -> None:
-    """One tier row of a log, through the transitions' primitive (checked where it matters)."""
+def _cached_by(work: TierWork, delta: TierDelta) -> set[tuple[bytes, int]]:
+    """``(tier key, device block)`` of the blocks the delta's device part cached or evicted:
+    the only blocks its stores to the host may read."""
+    out = set()
+    for op in delta.device.operations():
+        if type(op) is Stored or type(op) is Evicted:
+            out.add((work.tier_key(op.key, op.block_hash), op.block_id))
+    return out
+
+
+def _apply(work: TierWork, code: str, row: tuple[Any, ...],
+           cached: set[tuple[bytes, int]]) -> None:
+    """One tier row of a log, through the transitions' primitive (checked where it matters).
+
+    ``cached``: what :func:`_cached_by` gives the row's delta."""
     if code == "P":
         if not is_request_id(row[0]) or not is_priority(row[1]):
             raise ReplayMismatchError(f"a priority row of a wrong type or range: {excerpt(row)}")
@@ -167,9 +182,15 @@ def _apply(work: TierWork, code: str, row: tuple[Any, ...]) -> None:
                 or type(dst) is not int or not is_priority(priority)
                 or (rid is not None and not is_request_id(rid))
                 or type(key) is not str or key not in work.src.keys
+                or not work.src.split_key(digest)[1]
                 or work.src.tier_key(key, work.src.split_key(digest)[1]) != digest):
             raise ReplayMismatchError(f"move {excerpt(move_id)} has a cell of a wrong type: "
                                       f"{excerpt(row)}")
+        if direction == DEVICE_TO_HOST and (
+                (digest, src) not in cached or (work.has_host and digest in work.h_index.entries)):
+            msg = (f"move {excerpt(move_id)} stores a block its delta neither cached nor "
+                   f"evicted, or one the host holds: {excerpt(row)}")
+            raise ReplayMismatchError(msg)
         if direction in (HOST_TO_DEVICE, REMOTE_TO_DEVICE) and (
                 work.device_pending.get(dst) is not None or rid is None
                 or dst not in get_block_ids(work.device, rid)[key]):

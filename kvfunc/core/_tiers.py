@@ -100,7 +100,7 @@ from kvfunc.core._hashing import BlockHashes
 from kvfunc.core._ops import Evicted, Stored
 from kvfunc.core._pool import cache_key
 from kvfunc.core._prefix import PrefixHit, lookup_prefix
-from kvfunc.core._state import RequestId
+from kvfunc.core._state import FrozenDict, RequestId
 from kvfunc.core._tier_delta import TierDelta
 from kvfunc.core._tier_state import (
     HOST_TO_DEVICE,
@@ -296,6 +296,10 @@ def _admission(state: TieredState, e: tuple[Any, ...]) -> SlotRequest:
             or not len(hit.sources) == len(hit.host_block_ids) == len(hit.hashes)
             or hashes.num_blocks < (first + lower) * ratio):
         raise InvalidArgumentError(f"the TieredHit of {excerpt(rid)} does not fit its hashes")
+    if (any(type(x) is not str for x in hit.sources)
+            or any(type(x) is not int for x in hit.host_block_ids)
+            or any(type(x) is not bytes for x in hit.hashes)):
+        raise InvalidTypeError(f"the TieredHit of {excerpt(rid)} has a cell of a wrong type")
     digests = hashes.hashes
     for k, (src, block, d) in enumerate(zip(hit.sources, hit.host_block_ids, hit.hashes,
                                             strict=True)):
@@ -356,6 +360,13 @@ def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
         for e in entries:
             if isinstance(e, tuple) and e and is_request_id(e[0]) and e[0] in state.loads:
                 msg = f"request {excerpt(e[0])} has loads in flight: settle them first"
+                raise InvalidArgumentError(msg)
+            hit = e[7] if isinstance(e, tuple) and len(e) == 8 else None
+            if type(hit) is PrefixHit and type(hit.block_ids) in (dict, FrozenDict) and any(
+                    b in state.device_pending for t in hit.block_ids.values()
+                    if type(t) is tuple for b in t):
+                msg = (f"the hit of {excerpt(e[0])} shares a device block a load is still "
+                       f"writing: look it up again (lookup_tiers)")
                 raise InvalidArgumentError(msg)
     res = allocate_batch(state.device, entries, block_hashes=block_hashes,
                          lookahead_tokens=lookahead_tokens)
