@@ -364,6 +364,15 @@ def test_a_hybrid_hit_below_the_device_loads_every_groups_blocks() -> None:
     assert kf.lookup_prefix(log.state.device, h, max_tokens=16).num_tokens == 16
 
 
+def test_group_key_names_the_one_group_and_refuses_several() -> None:
+    """``group_key`` is the key of a one-group device; a hybrid one has ``keys`` instead."""
+    assert TieredState.create(_device()).group_key == "f"
+    hybrid = TieredState.create(_hybrid())
+    assert hybrid.keys == ("f", "w")
+    with pytest.raises(kf.NotSupportedError):
+        _ = hybrid.group_key
+
+
 def test_a_hybrid_window_block_missing_below_ends_the_hit() -> None:
     """A position whose window block is in no lower tier ends the hit there, though full
     attention's block is below: the device caches the window block it would take for it."""

@@ -126,10 +126,10 @@ class RemoteTier:
 class TieredState:
     """A device :class:`~kvfunc.KVState` with an optional host tier and remote tier.
 
-    The device has prefix caching and one pool: one group of full attention,
-    or several groups of full attention and sliding windows sharing one pool
-    (vLLM's hybrid layout), all of one block size.  A lower tier keeps each
-    group's blocks apart, under :meth:`tier_key`.
+    The device has prefix caching and one pool, whose groups (one, or several
+    sharing the pool: vLLM's hybrid layout) are full attention or sliding
+    windows, all of one block size.  A lower tier keeps each group's blocks
+    apart, under :meth:`tier_key`.
 
     Attributes:
         device: the device state.
@@ -210,6 +210,19 @@ enable_prefix_caching=True
                    HostTier.create(host_blocks) if host_blocks else None,
                    RemoteTier(remote_blocks, TierIndex.create(), empty) if remote else None,
                    empty, 0, empty, empty, empty, empty)
+
+    @property
+    def group_key(self) -> str:
+        """The manager key of a device of one group.
+
+        Raises:
+            NotSupportedError: the device has several groups (see :attr:`keys`).
+        """
+        keys = self.device.manager_keys
+        if len(keys) != 1:
+            raise NotSupportedError(f"a device of groups {excerpt(keys)} has no one group_key: "
+                                    "read keys, or a move's key")
+        return keys[0]
 
     @property
     def keys(self) -> tuple[str, ...]:

@@ -36,6 +36,7 @@ slot (over the views, each page would be copied once per group).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
 import attrs
@@ -211,9 +212,10 @@ def shared_page_buffers(tensors: TensorSet) -> list[torch.Tensor]:
 
     Raises:
         InvalidTypeError: ``tensors`` is not a mapping or sequence of tensors.
-        InvalidArgumentError: no tensor, or views of one storage that disagree on
-            the device, the number of blocks or the page, a block that is not
-            contiguous or does not fit its page, or pages past the storage's end.
+        InvalidArgumentError: no tensor, a view of no block, views of one storage
+            that disagree on the number of blocks or the page, a block that is
+            not contiguous or does not fit its page, pages past the storage's
+            end, or buffers that overlap in memory.
 
     >>> import kvfunc as kf
     >>> full = kf.CacheEntry("k", "FullAttention", 8, 2, "fp32", True, block_size=4)
@@ -227,8 +229,8 @@ def shared_page_buffers(tensors: TensorSet) -> list[torch.Tensor]:
     True
     """
     views = list(_tensors_of(tensors))
-    if not views:
-        raise InvalidArgumentError("shared_page_buffers needs at least one tensor")
+    if not views or any(t.dim() < 2 or not t.shape[0] for t in views):
+        raise InvalidArgumentError("shared_page_buffers needs views of at least one block each")
     slots: dict[tuple[Any, ...], list[torch.Tensor]] = {}
     for t in views:
         key = (t.device, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
@@ -253,6 +255,12 @@ def shared_page_buffers(tensors: TensorSet) -> list[torch.Tensor]:
                                        f"end of a buffer of {nbytes} bytes")
         buffer = torch.empty(0, dtype=torch.uint8, device=device)
         out.append(buffer.set_(first.untyped_storage(), start, (n, page), (page, 1)))
+    spans = sorted((b.device.type, b.data_ptr(), b.data_ptr() + b.shape[0] * b.shape[1])
+                   for b in out)
+    for (dev_a, _, end), (dev_b, begin, _) in pairwise(spans):
+        if dev_a == dev_b and begin < end:  # two storages over the same memory
+            raise InvalidArgumentError("views of different buffers overlap in memory: their "
+                                       "pages would overwrite each other")
     return out
 
 

@@ -217,7 +217,8 @@ def test_a_hybrid_prefix_comes_back_from_a_mooncake_store(write_policy: str,
 
 def test_shared_page_buffers_refuse_views_that_are_not_pages() -> None:
     """Views of one buffer that disagree on the page or block count, a block that is not
-    contiguous, junk, or nothing at all: typed errors."""
+    contiguous, buffers that overlap in memory, views of no block, junk, or nothing at all:
+    typed errors."""
     from kvfunc.shell import overlay_view
 
     buf = torch.zeros(4, 64, dtype=torch.uint8)
@@ -226,8 +227,12 @@ def test_shared_page_buffers_refuse_views_that_are_not_pages() -> None:
     b = overlay_view(buf, 32, (8,), torch.float32)
     pages = shared_page_buffers({"a": a, "b": b})
     assert len(pages) == 1 and pages[0].shape == (4, 64)
+    mem = torch.zeros(8, 64, dtype=torch.uint8)
+    overlapping = [torch.from_numpy(mem.numpy()).view(torch.float32),
+                   torch.from_numpy(mem.numpy()[4:]).view(torch.float32)]  # two storages
     for bad in ([], [a, buf[:2].view(torch.float32)], [a, a.transpose(1, 2)],
-                [a, torch.zeros(4, 64, dtype=torch.uint8).view(torch.float32)[:, ::2]]):
+                [a, torch.zeros(4, 64, dtype=torch.uint8).view(torch.float32)[:, ::2]],
+                overlapping, [torch.zeros(0, 4), torch.zeros(0, 4)]):
         with pytest.raises(kf.InvalidArgumentError):
             shared_page_buffers(bad)
     for junk in ("ab", 3, [a, "b"]):
