@@ -78,6 +78,9 @@ ROW_COPY_MIN_BYTES = 4096
 #: (``benchmarks/README.md``, "bench_tiers")
 ROWS_PER_INDEXED_COPY = 8
 LARGE_ROW_BYTES = 65536
+#: ... nor does a gather of rows of this many bytes into rows that are not side by side (a
+#: layer's page of K and V in a block-layout pool)
+STRIDED_ROW_BYTES = 32768
 
 
 class _Bytes:
@@ -172,7 +175,8 @@ def copy_rows_cpu(plan: MovePlan, src: _Bytes, dst: _Bytes) -> None:
         for s, d, n, _ in plan.segments:
             dn[d:d + n] = sn[s:s + n]
     elif rb >= ROW_COPY_MIN_BYTES and (
-            plan.kind == "scattered" or (plan.kind == "gather" and rb >= LARGE_ROW_BYTES)
+            plan.kind == "scattered" or (plan.kind == "gather" and (
+                rb >= LARGE_ROW_BYTES or (dst.strided and rb >= STRIDED_ROW_BYTES)))
             or len(plan.src_ids) < ROWS_PER_INDEXED_COPY * len(plan.segments)):
         _copy_each_row(plan, src, dst)  # scattered, or indexed copies that would not pay
     elif plan.kind == "gather":

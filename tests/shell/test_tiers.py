@@ -21,6 +21,7 @@ from kvfunc.shell._tiers import (
     LARGE_ROW_BYTES,
     ROW_COPY_MIN_BYTES,
     ROWS_PER_INDEXED_COPY,
+    STRIDED_ROW_BYTES,
     copy_rows_cuda,
 )
 
@@ -260,8 +261,9 @@ def test_layers_follow_the_pools_order_whatever_the_order_of_the_device_mapping(
 def test_short_indexed_copies_and_large_rows_go_row_by_row(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks scattered on both sides, a gather or scatter whose copies average fewer than
-    ROWS_PER_INDEXED_COPY rows, or a gather of rows of LARGE_ROW_BYTES, copy row by row (rows
-    of ROW_COPY_MIN_BYTES and more); a long gather of smaller rows, or a long scatter of large
+    ROWS_PER_INDEXED_COPY rows, a gather of rows of LARGE_ROW_BYTES, or a gather of rows of
+    STRIDED_ROW_BYTES into rows that are not side by side, copy row by row (rows of
+    ROW_COPY_MIN_BYTES and more); a long gather of smaller rows, or a long scatter of large
     ones, is one indexed copy."""
     rows: list[int] = []
     real = _tiers._copy_each_row
@@ -276,17 +278,22 @@ def test_short_indexed_copies_and_large_rows_go_row_by_row(
              (LARGE_ROW_BYTES, long_dst, long_src, "scatter", 0),
              (ROW_COPY_MIN_BYTES, short_dst, short_src, "scatter", 1),
              (ROW_COPY_MIN_BYTES, short_src, [3, 0, 8, 5], "scattered", 1),
-             (ROW_COPY_MIN_BYTES // 2, short_src, [3, 0, 8, 5], "scattered", 0)]
+             (ROW_COPY_MIN_BYTES // 2, short_src, [3, 0, 8, 5], "scattered", 0),
+             (STRIDED_ROW_BYTES, long_src, long_dst, "gather", 0),  # into rows side by side
+             (STRIDED_ROW_BYTES, long_src, long_dst, "gather-strided", 1),
+             (STRIDED_ROW_BYTES // 2, long_src, long_dst, "gather-strided", 0)]
     for row_bytes, src, dst, kind, by_row in cases:
+        strided = kind == "gather-strided"  # two tensors in a block-layout pool: a row stride
+        kind = kind.removesuffix("-strided")  # of two rows
         assert kind == plan_move(np.array(src), np.array(dst)).kind
-        dev = cache(2 * n + 1, [(row_bytes // 2,)], seed=5)
-        host = HostBlockPool.like(dev, 2 * n + 1)
+        dev = cache(2 * n + 1, [(row_bytes // 2,)] * (1 + strided), seed=5)
+        host = HostBlockPool.like(dev, 2 * n + 1, layout="block" if strided else "layer")
         mover = BlockMover.create(dev, host)
         try:
             rows.clear()
             assert mover.store(src, dst).wait(30)
-            assert (by_row, True) == (len(rows), torch.equal(as_bytes(host.tensors[0])[dst],
-                                                             as_bytes(dev["t0"])[src]))
+            assert (by_row * len(dev), True) == (len(rows), torch.equal(
+                as_bytes(host.tensors[0])[dst], as_bytes(dev["t0"])[src]))
         finally:
             mover.close()
 
