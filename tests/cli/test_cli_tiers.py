@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,35 +63,35 @@ def test_host_memory_behind_a_hybrid_model(capsys: pytest.CaptureFixture[str]) -
     position hit below the device loads a block of each of its two groups."""
     run = ("simulate", "--preset", "gpt-oss-120b", "--trace", "mooncake-conversation",
            "--requests", "150", "--memory", "4GiB", "--no-plot", "--no-progress", "--json")
-    code, out, err = run_main(capsys, *run)
-    assert code == 0, err
-    plain = json.loads(out)
-    code, out, err = run_main(capsys, *run, "--host-memory", "32GiB")
-    assert code == 0, err
-    tiered = json.loads(out)
-    t = tiered["tiers"]
+    t = _plain_then_tiered(capsys, run, "32GiB")
     assert t["block_bytes"] == 589824  # a page of the shared pool
     assert t["hit_tokens"]["host"] > 0 and t["hit_tokens"]["device"] > 0
     loaded = t["loaded_blocks"]["host"]  # first admissions, and again after a preemption
     assert loaded % 2 == 0 and loaded >= 2 * t["hit_tokens"]["host"] // 16  # blocks of 16
+
+
+def _plain_then_tiered(capsys: pytest.CaptureFixture[str], run: tuple[str, ...],
+                       host_memory: str) -> dict[str, Any]:
+    """The ``tiers`` report of ``run`` with ``--host-memory``, checked against ``run`` alone:
+    the tiers' hits add up to the run's, and it hits more than the device alone."""
+    code, out, err = run_main(capsys, *run)
+    assert code == 0, err
+    plain = json.loads(out)
+    assert plain["tiers"] is None
+    code, out, err = run_main(capsys, *run, "--host-memory", host_memory)
+    assert code == 0, err
+    tiered = json.loads(out)
+    t: dict[str, Any] = tiered["tiers"]
     hits = sum(t["hit_tokens"].values())
     assert hits == tiered["prefix_cache"]["hit_tokens"] > plain["prefix_cache"]["hit_tokens"]
+    return t
 
 
 def test_host_memory_hits_below_the_device(capsys: pytest.CaptureFixture[str]) -> None:
     """A host tier adds host hits and loads to the same run, and never loses device hits."""
-    code, out, err = run_main(capsys, *RUN)
-    assert code == 0, err
-    plain = json.loads(out)
-    code, out, err = run_main(capsys, *RUN, "--host-memory", "64GiB")
-    assert code == 0, err
-    tiered = json.loads(out)
-    assert plain["tiers"] is None
-    t = tiered["tiers"]
+    t = _plain_then_tiered(capsys, RUN, "64GiB")
     assert t["hit_tokens"]["host"] > 0 and t["loaded_blocks"]["host"] > 0
     assert t["stored_blocks"]["host"] > 0 and t["ttft_saved_s"] > 0
-    hits = sum(t["hit_tokens"].values())
-    assert hits == tiered["prefix_cache"]["hit_tokens"] > plain["prefix_cache"]["hit_tokens"]
     code, out, err = run_main(capsys, *RUN, "--host-memory", "8GiB", "--remote", "mooncake",
                               "--write-policy", "write-through")
     assert code == 0, err
