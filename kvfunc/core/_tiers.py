@@ -363,8 +363,8 @@ def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
                 raise InvalidArgumentError(msg)
             hit = e[7] if isinstance(e, tuple) and len(e) == 8 else None
             if type(hit) is PrefixHit and type(hit.block_ids) in (dict, FrozenDict) and any(
-                    b in state.device_pending for t in hit.block_ids.values()
-                    if type(t) is tuple for b in t):
+                    type(b) is int and b in state.device_pending
+                    for t in hit.block_ids.values() if type(t) is tuple for b in t):
                 msg = (f"the hit of {excerpt(e[0])} shares a device block a load is still "
                        f"writing: look it up again (lookup_tiers)")
                 raise InvalidArgumentError(msg)
