@@ -117,18 +117,22 @@ def test_write_back_host_hit_loads_and_completes() -> None:
 
 
 def test_failed_load_recomputes_and_forgets_the_block() -> None:
-    """A failed load reports the tokens to recompute from; the device stops caching that block."""
+    """A failed load reports the tokens to recompute from; nothing the admission gave the
+    request is a device hit until the request computes it again."""
     log = Log(TieredState.create(_device(5), host_blocks=8))
     a = _tokens(1, 13)
     log.stored_below(a, 16)
     res = log.run("a2", a)
+    assert not res.delta.device.stored_block_ids  # cached once computed, not at admission
     ids = [m[0] for m in res.delta.moves() if m[1] == "host->device"]
     out = log.complete(done=[ids[0]], failed=[ids[1], ids[2]])
     assert out.recompute_from == {"a2": 4}
     assert loads_pending(log.state, "a2") == 0
-    hit = kf.lookup_prefix(log.state.device, BlockHashes.of(a, BS))
-    assert hit.num_tokens == 4                  # the failed blocks are no device hit
+    h = BlockHashes.of(a, BS)
+    assert kf.lookup_prefix(log.state.device, h).num_tokens == 0
     assert len(log.state.host.index) == 3       # the host copies stay
+    log.keep(*allocate_tiered(log.state, [("a2", 4, 9)], block_hashes={"a2": h})[:2])
+    assert kf.lookup_prefix(log.state.device, h).num_tokens == 12  # recomputed: cached
 
 
 def test_failed_store_drops_the_host_copy() -> None:
@@ -230,14 +234,15 @@ def test_create_refuses_what_tiers_cannot_serve() -> None:
 
 
 def test_a_block_being_loaded_is_no_hit() -> None:
-    """While a load writes a device block, lookups stop before it and find the host copy."""
+    """While a load writes a device block, the device does not cache it: lookups find the host
+    copy, and the block is a device hit once its request computes on."""
     log = Log(TieredState.create(_device(9), host_blocks=8))
     a = _tokens(1, 13)
     log.stored_below(a, 32)
     log.run("a2", a)
     assert loads_pending(log.state, "a2") == 3
     h = BlockHashes.of(a, BS)
-    assert kf.lookup_prefix(log.state.device, h, max_tokens=12).num_tokens == 12  # raw device
+    assert kf.lookup_prefix(log.state.device, h, max_tokens=12).num_tokens == 0  # raw device
     hit = lookup_tiers(log.state, h, max_tokens=12)
     assert (hit.device.num_tokens, hit.sources) == (0, ("host", "host", "host"))
     res = log.run("a3", a)                      # loads again from the host, pinned twice
@@ -247,6 +252,9 @@ def test_a_block_being_loaded_is_no_hit() -> None:
     entry = log.state.host.index.get(h.hashes[0])
     assert entry is not None and entry.pins == 2
     log.settle_all()
+    assert lookup_tiers(log.state, h, max_tokens=12).device.num_tokens == 0
+    longer = BlockHashes.of([*a, 7], BS)
+    log.keep(*allocate_tiered(log.state, [("a2", 13, 1)], block_hashes={"a2": longer})[:2])
     assert lookup_tiers(log.state, h, max_tokens=12).device.num_tokens == 12
 
 
@@ -332,7 +340,7 @@ def _hybrid(num_blocks: int = 11) -> KVState:
 def test_a_hybrid_hit_below_the_device_loads_every_groups_blocks() -> None:
     """Each group's block of a hash is kept under its own tier key; a hit below the device
     loads, position after position, the block of each group into that group's table, the
-    window's blocks included; once loaded, they are the device's hit."""
+    window's blocks included; once the request computes on, they are the device's hit."""
     from kvfunc.events import MEDIUM_CPU, BlockStored, events_from_tier_delta
 
     log = Log(TieredState.create(_hybrid(), host_blocks=32, write_policy="write-through"))
@@ -360,6 +368,9 @@ def test_a_hybrid_hit_below_the_device_loads_every_groups_blocks() -> None:
     loads = [(m[7], m[4]) for m in res.delta.moves() if m[1] == "host->device"]
     assert loads == [(k, tables[k][p]) for p in range(4) for k in ("f", "w")]
     log.settle_all()
+    assert kf.lookup_prefix(log.state.device, h, max_tokens=16).num_tokens == 0  # not yet
+    longer = BlockHashes.of([*a, 7], BS)
+    log.keep(*allocate_tiered(log.state, [("a2", 17, 1)], block_hashes={"a2": longer})[:2])
     log.free("a2")
     assert kf.lookup_prefix(log.state.device, h, max_tokens=16).num_tokens == 16
 
@@ -391,8 +402,8 @@ def test_a_hybrid_window_block_missing_below_ends_the_hit() -> None:
 
 
 def test_a_hybrid_failed_window_load_recomputes_from_its_position() -> None:
-    """A failed load of a window block reports its position, and the device forgets that block
-    alone: a hit whose window needs it stops before it, a longer one does not need it."""
+    """A failed load of a window block reports its position; nothing of the admission is a
+    device hit until the request computes again from there."""
     log = Log(TieredState.create(_hybrid(), host_blocks=32, write_policy="write-through"))
     a = _tokens(1, 17)
     log.run("a", a)
@@ -405,7 +416,9 @@ def test_a_hybrid_failed_window_load_recomputes_from_its_position() -> None:
     out = log.complete(done=[i for i in log.state.moves if i != failed], failed=[failed])
     assert out.recompute_from == {"a2": BS}
     h = BlockHashes.of(a, BS)
-    assert kf.lookup_prefix(log.state.device, h, max_tokens=2 * BS).num_tokens == BS
+    assert kf.lookup_prefix(log.state.device, h, max_tokens=16).num_tokens == 0
+    longer = BlockHashes.of([*a, 7], BS)
+    log.keep(*allocate_tiered(log.state, [("a2", BS, 14)], block_hashes={"a2": longer})[:2])
     assert kf.lookup_prefix(log.state.device, h, max_tokens=16).num_tokens == 16
 
 

@@ -225,10 +225,12 @@ def test_a_hit_with_a_cell_of_a_wrong_type_is_refused(cell: str, kind: str) -> N
 
 
 def test_a_hit_sharing_a_block_being_loaded_is_refused() -> None:
-    """While loads write device blocks, a device hit that shares them (a plain PrefixHit, or
-    the device part of a TieredHit, looked up on the device alone) is refused."""
-    raw = kf.lookup_prefix(LOADING.device, HASHES, max_tokens=12)
-    assert any(b in LOADING.device_pending for t in raw.block_ids.values() for b in t)
+    """While loads write device blocks (which the device does not cache), a forged or stale
+    device hit that shares them (a plain PrefixHit, or the device part of a TieredHit) is
+    refused."""
+    table = kf.get_block_ids(LOADING.device, "c")["f"][:3]
+    assert all(b in LOADING.device_pending for b in table)
+    raw = kf.PrefixHit(12, {"f": table}, 12)
     for hit in (raw, kf.TieredHit(raw, (), (), (), raw.num_tokens, 12)):
         before = repr(LOADING)
         with pytest.raises(kf.InvalidArgumentError, match="a load is still writing"):

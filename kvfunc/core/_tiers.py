@@ -41,9 +41,15 @@ position went down; ``"write-through"`` keeps both below.
 **Admission** (:func:`allocate_tiered`): an entry whose hit is a
 :class:`TieredHit` asks the device for its device hit plus new blocks for the
 rest of the hit and its chunk; the lower-tier blocks count as computed once
-loaded.  Each lower block becomes a load: ``host->device`` from its host
-block, or ``remote->device`` (source ``-1``: the shell fetches the block by
-hash, staging it through host memory of its own).
+loaded.  The device caches none of those new blocks at admission (the
+admission's hashes stop at the device hit, as vLLM delays caching while a
+connector loads): a request with loads in flight cannot compute, so until
+it runs again, its new blocks hold no KV, and a failed load leaves its later
+blocks unfilled.  Its next step, with its whole hashes, caches them as
+blocks it computes, and with ``"write-through"`` stores them then.  Each
+lower block becomes a load: ``host->device`` from its host block, or
+``remote->device`` (source ``-1``: the shell fetches the block by hash,
+staging it through host memory of its own).
 
 **Write policy**, chosen at creation:
 
@@ -62,10 +68,12 @@ hash, staging it through host memory of its own).
 :func:`~kvfunc.core._tier_moves.complete_moves` reports it done or failed.
 A pending move's destination is no hit and cannot be evicted: a host block
 being written is out of the index, a device block being loaded is held by
-its request (which cannot be freed until its loads settle) and cut from
-lookups; a move's source is pinned (out of the eviction order).  A failed
+its request (which cannot be freed until its loads settle), not cached (see
+Admission), and a device hit that holds one anyway (a stale one) is cut or
+refused; a move's source is pinned (out of the eviction order).  A failed
 store drops the lower copy; a failed load makes the device forget the block
-(``evict_blocks``) and reports where its request must recompute from.  A
+(``evict_blocks``, in case it was cached) and reports where its request must
+recompute from.  A
 request with loads in flight must not compute: :func:`allocate_tiered`
 refuses an entry for it with :class:`~kvfunc.InvalidArgumentError`.
 
@@ -312,6 +320,8 @@ def _admission(state: TieredState, e: tuple[Any, ...]) -> SlotRequest:
         if not ok:
             msg = f"the TieredHit of {excerpt(rid)} is stale or foreign at block {first + position}"
             raise InvalidArgumentError(msg)
+    if lower:  # the device caches the rest once the request computes it (module docstring)
+        hashes = BlockHashes.of_digests(digests[:first * ratio], None, hashes.block_size)
     return SlotRequest(rid, hit.device.num_tokens, new + lower * bs, e[3], e[4], e[5], hashes,
                        hit.device)
 

@@ -19,9 +19,11 @@ what each block *holds*, as a shell running the deltas would fill it: the
 forward pass writes the blocks of the tokens it computes, a move copies
 when it starts, in the delta's row order (a write-back store before the
 forward pass, a write-through one after it), and a load that is reported
-failed leaves junk.  Every block a tier offers as a hit must hold the KV of its
-key: a device block cached under a hash, a host block in the index, a hash
-in the remote directory.
+failed leaves junk.  A request admitted with loads computes nothing until
+they settle: its first ``run_on`` computes from the end of its hit (or from
+where a failed load left it).  Every block a tier offers as a hit must hold
+the KV of its key: a device block cached under a hash, a host block in the
+index, a hash in the remote directory.
 """
 
 from __future__ import annotations
@@ -189,10 +191,13 @@ class TieredStateMachine(RuleBasedStateMachine):
         else:
             self.model.admitted(rid, tables, n, sources, blocks, keys)
             self.model.follow()
-        self._commit(res.state, res.delta, (rid, hit.num_tokens, len(tokens), h))
+        # A request with loads in flight computes nothing until they settle (run_on does).
+        loading = kf.loads_pending(res.state, rid) > 0
+        self._commit(res.state, res.delta,
+                     None if loading else (rid, hit.num_tokens, len(tokens), h))
         self.tokens[rid] = tokens
-        self.computed[rid] = len(tokens)
-        if finish and not kf.loads_pending(self.state, rid):
+        self.computed[rid] = hit.num_tokens if loading else len(tokens)
+        if finish and not loading:
             self._free(rid)
 
     def _idle(self) -> list[Any]:
