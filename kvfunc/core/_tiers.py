@@ -29,14 +29,15 @@ group's block from the host tier if it holds it, else the remote tier,
 until a position where some group's block is in neither.
 
 **Windows.** Past the device hit, a sliding window's blocks are loaded at
-every position, also those that slide out of the window at once: the
-device gives an admission a block for each of those positions and caches
-it, so each must hold its KV (vLLM leaves them null instead).  So the lower
-part of a hit needs every group's block at each position, and ends where a
-window's block is missing below the device, even on a position the window
-would not read.  With ``"write-back"`` that happens when a window's block is
-still cached on the device while the full-attention block of the same
-position went down; ``"write-through"`` keeps both below.
+every position, also those that slide out of the window at once (the
+request's next step nulls them without caching them; vLLM leaves them null
+from the start).  That keeps a hit one block per group and position, at the
+price of those loads: the lower part of a hit needs every group's block at
+each position, and ends where a window's block is missing below the device,
+even on a position the window would not read.  With ``"write-back"`` that
+happens when a window's block is still cached on the device while the
+full-attention block of the same position went down; ``"write-through"``
+keeps both below.
 
 **Admission** (:func:`allocate_tiered`): an entry whose hit is a
 :class:`TieredHit` asks the device for its device hit plus new blocks for the
