@@ -238,19 +238,19 @@ def shared_page_buffers(tensors: TensorSet) -> list[torch.Tensor]:
     out = []
     for (device, _, nbytes), members in slots.items():
         first = members[0]
-        n, page = first.shape[0] if first.dim() else 0, _page_of(first)
+        n, page = first.shape[0], _page_of(first)
         start = min(t.storage_offset() * t.element_size() for t in members)
         for t in members:
-            block = t.element_size() * (t[0].numel() if t.dim() and t.shape[0] else 0)
+            block = t.element_size() * t[0].numel()
             at = t.storage_offset() * t.element_size() - start
-            if (t.dim() < 2 or t.shape[0] != n or _page_of(t) != page
-                    or (n and not t[0].is_contiguous()) or at + block > page):
-                msg = (f"views over one buffer must share their device, number of blocks and "
-                       f"page, each block contiguous inside it: a view of shape "
-                       f"{tuple(t.shape)} and strides {t.stride()} does not fit a page of "
-                       f"{page} bytes at byte {at}")
+            if (t.shape[0] != n or _page_of(t) != page or not t[0].is_contiguous()
+                    or at + block > page):
+                msg = (f"views over one buffer must share their number of blocks and page, "
+                       f"each block contiguous inside it: a view of shape {tuple(t.shape)} "
+                       f"and strides {t.stride()} does not fit a page of {page} bytes at "
+                       f"byte {at}")
                 raise InvalidArgumentError(msg)
-        if n and start + n * page > nbytes:
+        if start + n * page > nbytes:
             raise InvalidArgumentError(f"{n} pages of {page} bytes from byte {start} pass the "
                                        f"end of a buffer of {nbytes} bytes")
         buffer = torch.empty(0, dtype=torch.uint8, device=device)
@@ -265,7 +265,7 @@ def shared_page_buffers(tensors: TensorSet) -> list[torch.Tensor]:
 
 
 def _page_of(t: torch.Tensor) -> int:
-    return t.stride(0) * t.element_size() if t.dim() else 0
+    return t.stride(0) * t.element_size()
 
 
 def _tensors_of(tensors: object) -> list[torch.Tensor]:
