@@ -17,8 +17,8 @@ modules, by what they hold:
   ``_delta``;
 * prefix caching: ``_hashing``, ``_prefix``, ``_prefix_ops``;
 * tiers below the device (host memory, a remote store): ``_tiers`` (theory of
-  operation, lookup, admission), ``_tier_state``, ``_tier_index``, ``_tier_work``,
-  ``_tier_moves``, ``_tier_delta``, ``_tier_checks``;
+  operation, admission), ``_tier_lookup`` (the cross-tier hit), ``_tier_state``,
+  ``_tier_index``, ``_tier_work``, ``_tier_moves``, ``_tier_delta``, ``_tier_checks``;
 * deltas and replay: ``_ops`` (the operation records), ``_delta``, ``_replay``;
 * argument checks and errors: ``_checks``, ``_errors``.
 
@@ -112,6 +112,7 @@ from kvfunc.core._state import LAYOUTS, NULL_BLOCK, BlockId, KVState, RequestId
 from kvfunc.core._tier_checks import check_tiered_invariants, replay_tiered
 from kvfunc.core._tier_delta import TIER_DELTA_VERSION, TierDelta
 from kvfunc.core._tier_index import TierEntry, TierIndex
+from kvfunc.core._tier_lookup import TieredHit, lookup_tiers
 from kvfunc.core._tier_moves import MovesResult, complete_moves, loads_pending
 from kvfunc.core._tier_state import (
     DIRECTIONS as MOVE_DIRECTIONS,
@@ -126,13 +127,7 @@ from kvfunc.core._tier_state import (
     TieredState,
     TierMove,
 )
-from kvfunc.core._tiers import (
-    TieredHit,
-    TieredResult,
-    allocate_tiered,
-    free_tiered,
-    lookup_tiers,
-)
+from kvfunc.core._tiers import TieredResult, allocate_tiered, free_tiered
 from kvfunc.core._transitions import (
     AllocationResult,
     BatchResult,
