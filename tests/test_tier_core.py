@@ -446,3 +446,28 @@ def test_a_store_of_an_evicted_block_comes_before_the_load_into_it(hybrid: bool)
     loaded_into = {row[4]: i for i, row in enumerate(rows) if row[1] == "host->device"}
     both = stored_from.keys() & loaded_into.keys()
     assert both and all(stored_from[blk] < loaded_into[blk] for blk in both)
+
+
+def test_cache_loaded_caches_at_admission_and_a_failed_load_forgets_what_follows() -> None:
+    """With ``cache_loaded`` (a caller whose loads and forward pass run before anyone reads
+    the blocks) an admission caches its new blocks at once; a failed load then makes the
+    device forget the request's blocks from the failed one on, loaded or computed."""
+    log = Log(TieredState.create(_device(5), host_blocks=8))
+    a = _tokens(1, 13)
+    log.stored_below(a, 16)
+    h = BlockHashes.of(a, BS)
+    hit = lookup_tiers(log.state, h, max_tokens=12)
+    entry = ("a2", hit.num_tokens, 1, 0, 0, None, h, hit)
+    with pytest.raises(kf.InvalidTypeError):
+        allocate_tiered(log.state, [entry], cache_loaded=1)  # type: ignore[arg-type]
+    res = allocate_tiered(log.state, [entry], cache_loaded=True)
+    log.keep(res.state, res.delta)
+    assert len(res.delta.device.stored_block_ids) == 3
+    loads = [m[0] for m in res.delta.moves() if m[1] == "host->device"]
+    out = log.complete(done=[loads[0], loads[2]], failed=[loads[1]])
+    assert out.recompute_from == {"a2": BS}
+    assert kf.lookup_prefix(log.state.device, h, max_tokens=12).num_tokens == BS
+    table = kf.get_block_ids(log.state.device, "a2")["f"]
+    hash_of = log.state.device.pools[0].hash_of
+    assert hash_of is not None and [hash_of[b] is not None for b in table] == [
+        True, False, False, False]  # loaded after the failed one, or computed: forgotten

@@ -153,7 +153,7 @@ def _without_pending(state: TieredState, block_hashes: BlockHashes, dev: PrefixH
         dev = PrefixHit(dev.num_tokens, dev.block_ids, query)
 
 
-def _admission(state: TieredState, e: tuple[Any, ...]) -> SlotRequest:
+def _admission(state: TieredState, e: tuple[Any, ...], cache_loaded: bool) -> SlotRequest:
     """The device entry of an admission with a :class:`TieredHit` (checked against the tiers)."""
     hit: TieredHit = e[7]
     rid, computed, new = e[0], e[1], e[2]
@@ -193,19 +193,20 @@ def _admission(state: TieredState, e: tuple[Any, ...]) -> SlotRequest:
         if not ok:
             msg = f"the TieredHit of {excerpt(rid)} is stale or foreign at block {first + position}"
             raise InvalidArgumentError(msg)
-    if lower:  # the device caches the rest once the request computes it (module docstring)
+    if lower and not cache_loaded:  # cached once the request computes it (see _tiers)
         hashes = BlockHashes.of_digests(digests[:first * ratio], None, hashes.block_size)
     return SlotRequest(rid, hit.device.num_tokens, new + lower * bs, e[3], e[4], e[5], hashes,
                        hit.device)
 
 
-def device_entries(state: TieredState, requests: Iterable[Any]
+def device_entries(state: TieredState, requests: Iterable[Any], cache_loaded: bool = False
                    ) -> tuple[list[Any], dict[Any, TieredHit]]:
     """The device's entries of a tiered step, and the admissions with a :class:`TieredHit`.
 
     Each admission with a ``TieredHit`` becomes its device entry (checked
-    against the tiers); an entry for a request with loads in flight, or with
-    a device hit sharing a block a load is still writing, is refused.
+    against the tiers; ``cache_loaded``: see :func:`~kvfunc.allocate_tiered`).
+    An entry for a request with loads in flight, or with a device hit sharing
+    a block a load is still writing, is refused.
 
     Raises:
         InvalidArgumentError, InvalidTypeError: as :func:`~kvfunc.allocate_tiered`.
@@ -216,7 +217,7 @@ def device_entries(state: TieredState, requests: Iterable[Any]
     admits: dict[Any, TieredHit] = {}
     for e in requests:
         if isinstance(e, tuple) and len(e) == 8 and type(e[7]) is TieredHit:
-            entries.append(_admission(state, e))
+            entries.append(_admission(state, e, cache_loaded))
             if e[0] in admits:
                 raise InvalidArgumentError(f"request {excerpt(e[0])} is admitted twice")
             admits[e[0]] = e[7]

@@ -104,7 +104,12 @@ def complete_moves(state: TieredState, *, done: Iterable[int] = (),
             assert rid is not None, move
             at = get_block_ids(state.device, rid)[move.key].index(move.dst) * bs
             recompute[rid] = min(at, recompute.get(rid, at))
-        work.device, delta = evict_blocks(state.device, [m.dst for m in lost])
+        # The request's blocks from the failed one on hold nothing good until it computes
+        # again: forget any of them the device caches (with cache_loaded, all of them).
+        forget = [b for rid, at in recompute.items()
+                  for table in get_block_ids(state.device, rid).values()
+                  for b in table[at // bs:] if b]
+        work.device, delta = evict_blocks(state.device, forget)
         work.note_device(delta)
     for i in ok:
         move = work.settle(i, True)

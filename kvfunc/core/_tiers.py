@@ -47,7 +47,11 @@ admission's hashes stop at the device hit, as vLLM delays caching while a
 connector loads): a request with loads in flight cannot compute, so until
 it runs again, its new blocks hold no KV, and a failed load leaves its later
 blocks unfilled.  Its next step, with its whole hashes, caches them as
-blocks it computes, and with ``"write-through"`` stores them then.  Each
+blocks it computes, and with ``"write-through"`` stores them then.  A caller
+whose step runs the loads and then the forward pass before any other request
+reads them (the simulator, whose copies take no time) passes
+``cache_loaded=True`` to cache them at admission; a failed load then makes
+the device forget the request's blocks from the failed one on.  Each
 lower block becomes a load: ``host->device`` from its host block, or
 ``remote->device`` (source ``-1``: the shell fetches the block by hash,
 staging it through host memory of its own).
@@ -147,12 +151,18 @@ def _check_priorities(priorities: Any) -> dict[Any, int]:
 def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
                     block_hashes: Mapping[RequestId, BlockHashes] | None = None,
                     lookahead_tokens: int = 0,
-                    priorities: Mapping[RequestId, int] | None = None) -> TieredResult:
+                    priorities: Mapping[RequestId, int] | None = None,
+                    cache_loaded: bool = False) -> TieredResult:
     """One step, as :func:`~kvfunc.allocate_batch`, with loads for hits below the device.
 
     An entry is any form ``allocate_batch`` takes; an admission whose hit
     (the eighth field) is a :class:`~kvfunc.TieredHit` loads the hit's lower blocks.
     ``priorities`` gives requests their retention priority.
+
+    An admission that loads caches its new blocks once its request computes
+    them (its next step), unless ``cache_loaded``: then at once, as a step
+    that runs its loads and then its forward pass before any other request
+    can read them would (a simulation whose copies take no time).
 
     Raises:
         InvalidArgumentError: an entry for a request with loads in flight; a
@@ -172,7 +182,9 @@ def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
     """
     check_tiered(state)
     prio = _check_priorities(priorities)
-    entries, admits = device_entries(state, requests)
+    if type(cache_loaded) is not bool:
+        raise InvalidTypeError(f"cache_loaded must be a bool, got {excerpt(cache_loaded)}")
+    entries, admits = device_entries(state, requests, cache_loaded)
     res = allocate_batch(state.device, entries, block_hashes=block_hashes,
                          lookahead_tokens=lookahead_tokens)
     work = TierWork(state)
