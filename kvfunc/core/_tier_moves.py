@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from kvfunc.core._checks import check_request_id, excerpt
-from kvfunc.core._delta import EMPTY_DELTA
+from kvfunc.core._delta import EMPTY_DELTA, BlocksChanged
 from kvfunc.core._detach import evict_blocks
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, UnknownRequestError
 from kvfunc.core._state import RequestId
@@ -19,6 +19,7 @@ from kvfunc.core._tier_state import (
     HOST_TO_DEVICE,
     REMOTE_TO_DEVICE,
     TieredState,
+    TierMove,
     check_tiered,
 )
 from kvfunc.core._tier_work import TierWork
@@ -93,24 +94,9 @@ def complete_moves(state: TieredState, *, done: Iterable[int] = (),
     if len(set(seen)) != len(seen):
         raise InvalidArgumentError(f"a move id is reported twice: {excerpt(seen)}")
     work = TierWork(state)
-    recompute: dict[RequestId, int] = {}
     lost = [state.moves[i] for i in bad
             if state.moves[i].direction in (HOST_TO_DEVICE, REMOTE_TO_DEVICE)]
-    delta = None
-    if lost:
-        bs = state.block_size
-        for move in lost:
-            rid = move.request_id
-            assert rid is not None, move
-            at = get_block_ids(state.device, rid)[move.key].index(move.dst) * bs
-            recompute[rid] = min(at, recompute.get(rid, at))
-        # The request's blocks from the failed one on hold nothing good until it computes
-        # again: forget any of them the device caches (with cache_loaded, all of them).
-        forget = [b for rid, at in recompute.items()
-                  for table in get_block_ids(state.device, rid).values()
-                  for b in table[at // bs:] if b]
-        work.device, delta = evict_blocks(state.device, forget)
-        work.note_device(delta)
+    recompute, delta = _forget_failed(work, lost)
     for i in ok:
         move = work.settle(i, True)
         if move.direction == DEVICE_TO_HOST and state.write_policy == "write-through":
@@ -122,6 +108,28 @@ def complete_moves(state: TieredState, *, done: Iterable[int] = (),
             if entry is not None and not entry.pins:
                 work.drop_remote(move.digest)
     return MovesResult(work.freeze(), work.sink.build(delta or EMPTY_DELTA), recompute)
+
+
+def _forget_failed(work: TierWork, lost: list[TierMove]
+                   ) -> tuple[dict[RequestId, int], BlocksChanged | None]:
+    """Where each request of a failed load recomputes from; the device forgets its blocks
+    from there on (they hold nothing good until it computes again; with ``cache_loaded``
+    the device caches them all)."""
+    recompute: dict[RequestId, int] = {}
+    if not lost:
+        return recompute, None
+    state, bs = work.src, work.src.block_size
+    for move in lost:
+        rid = move.request_id
+        assert rid is not None, move
+        at = get_block_ids(state.device, rid)[move.key].index(move.dst) * bs
+        recompute[rid] = min(at, recompute.get(rid, at))
+    forget = [b for rid, at in recompute.items()
+              for table in get_block_ids(state.device, rid).values()
+              for b in table[at // bs:] if b]
+    work.device, delta = evict_blocks(state.device, forget)
+    work.note_device(delta)
+    return recompute, delta
 
 
 def loads_pending(state: TieredState, request_id: RequestId) -> int:

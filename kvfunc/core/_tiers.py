@@ -195,21 +195,28 @@ def allocate_tiered(state: TieredState, requests: Iterable[Any], *,
             work.prioritize(rid, p)
     evicted = work.note_device(res.delta)
     loading = [(rid, hit) for rid, hit in admits.items() if rid not in refused and hit.hashes]
-    if state.write_policy == "write-back" and loading and res.delta.evicted_block_ids:
+    _start_moves(work, res.delta, evicted, loading)
+    return TieredResult(work.freeze(), work.sink.build(res.delta), res.refused)
+
+
+def _start_moves(work: TierWork, delta: BlocksChanged, evicted: dict[int, int],
+                 loading: list[tuple[RequestId, TieredHit]]) -> None:
+    """The step's loads and the stores its write policy asks for, in the order a shell runs
+    them (module docstring: write-back stores of evicted blocks before the loads)."""
+    if work.src.write_policy == "write-back" and loading and delta.evicted_block_ids:
         # The stores of evicted blocks read them before the loads into them write them, so
         # their rows come first; the loads' sources are held meanwhile (no store evicts them).
         held = [(src == "host", d) for _, hit in loading
                 for src, d in zip(hit.sources, hit.hashes, strict=True)]
         _hold(work, held, True)
-        _follow_device(work, res.delta, evicted)
+        _follow_device(work, delta, evicted)
         for rid, hit in loading:
             _start_loads(work, rid, hit)
         _hold(work, held, False)
     else:  # write-through: the stores of blocks just cached leave out those being loaded
         for rid, hit in loading:
             _start_loads(work, rid, hit)
-        _follow_device(work, res.delta, evicted)
-    return TieredResult(work.freeze(), work.sink.build(res.delta), res.refused)
+        _follow_device(work, delta, evicted)
 
 
 def _hold(work: TierWork, held: list[tuple[bool, bytes]], on: bool) -> None:
