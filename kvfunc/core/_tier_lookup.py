@@ -14,7 +14,6 @@ from kvfunc.core._checks import check_count, check_request_id, excerpt, is_reque
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError
 from kvfunc.core._fold import SlotRequest
 from kvfunc.core._hashing import BlockHashes
-from kvfunc.core._pool import cache_key
 from kvfunc.core._prefix import PrefixHit, lookup_prefix
 from kvfunc.core._state import FrozenDict
 from kvfunc.core._tier_state import TieredState, check_tiered
@@ -115,12 +114,12 @@ def lookup_tiers(state: TieredState, block_hashes: BlockHashes, *,
     keys: list[bytes] = []
     if host is not None or remote is not None:
         digests = block_hashes.hashes
-        tags = [state.device.pools[0].tag_of(k) for k in state.keys]
+        tier_key, groups = state.tier_key, state.keys
         for j in range(n, limit):
             d = digests[(j + 1) * ratio - 1]
             found = len(keys)
-            for tag in tags:
-                tk = cache_key(d, tag)
+            for g in groups:
+                tk = tier_key(g, d)
                 entry = None if host is None else host.index.get(tk)
                 if entry is not None:
                     sources.append("host")

@@ -5,6 +5,7 @@ See :mod:`kvfunc.core._tiers` for the theory of operation.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import attrs
@@ -14,7 +15,6 @@ from pyrsistent import PVector, pvector
 from kvfunc.core._checks import MAX_NUM_BLOCKS, excerpt
 from kvfunc.core._errors import InvalidArgumentError, InvalidTypeError, NotSupportedError
 from kvfunc.core._policy import BY_WINDOW, KEEPS_ALL, skip_mode
-from kvfunc.core._pool import cache_key
 from kvfunc.core._state import KVState, RequestId, check_state
 from kvfunc.core._tier_index import TierIndex
 from kvfunc.core._untracked import atomic
@@ -32,6 +32,7 @@ __all__ = [
     "TierMove",
     "TieredState",
     "check_tiered",
+    "group_tags",
 ]
 
 #: The write policies a tiered state may be created with.
@@ -248,7 +249,8 @@ enable_prefix_caching=True
         >>> t.tier_key("w", b"h"), t.split_key(b"h\\x01")
         (b'h\\x01', ('w', b'h'))
         """
-        return cache_key(digest, self.device.pools[0].tag_of(key))
+        tags = group_tags(self.device.pools[0].members)
+        return digest if tags is None else digest + tags[key]
 
     def split_key(self, tier_key: bytes) -> tuple[str, bytes]:
         """``(manager key, hash)`` of a tier key (the inverse of :meth:`tier_key`)."""
@@ -256,6 +258,17 @@ enable_prefix_caching=True
         if len(members) == 1:
             return members[0], tier_key
         return members[tier_key[-1]], tier_key[:-1]
+
+
+@functools.cache
+def group_tags(members: tuple[str, ...]) -> dict[str, bytes] | None:
+    """The byte each group's tier keys end in (its position, as the shared pool tags its own
+    keys: :func:`~kvfunc.core._pool.cache_key`), or None for one group (keys untagged).
+
+    >>> group_tags(("f",)), group_tags(("f", "w"))
+    (None, {'f': b'\\x00', 'w': b'\\x01'})
+    """
+    return {k: bytes((i,)) for i, k in enumerate(members)} if len(members) > 1 else None
 
 
 def _check_device(device: KVState) -> None:

@@ -57,15 +57,7 @@ class TierWork:
         self.device_pending = state.device_pending
         self.loads = state.loads
         self.sink = TierDeltaBuilder()
-        members = state.device.pools[0].members  # one pool: its members are the groups
-        self.members = members
-        self.tags = ({k: bytes((i,)) for i, k in enumerate(members)} if len(members) > 1
-                     else None)
-
-    def tier_key(self, key: str, digest: bytes) -> bytes:
-        """:meth:`TieredState.tier_key`, from the tags read once."""
-        tags = self.tags
-        return digest if tags is None else digest + tags[key]
+        self.tier_key = state.tier_key
 
     @property
     def host(self) -> HostTier | None:
@@ -104,7 +96,7 @@ class TierWork:
               priority: int) -> int:
         """A move starts: reserve its destination, pin its source; returns its id."""
         move_id = self.next_move_id
-        key = self.members[0] if self.tags is None else self.members[digest[-1]]
+        key = self.src.split_key(digest)[0]
         self.sink.add("M", move_id, direction, digest, src, dst, request_id, priority, key)
         pinned = True
         if direction == DEVICE_TO_HOST:
