@@ -21,9 +21,11 @@ when it starts, in the delta's row order (a write-back store before the
 forward pass, a write-through one after it), and a load that is reported
 failed leaves junk.  A request admitted with loads computes nothing until
 they settle: its first ``run_on`` computes from the end of its hit (or from
-where a failed load left it).  Every block a tier offers as a hit must hold
-the KV of its key: a device block cached under a hash, a host block in the
-index, a hash in the remote directory.
+where a failed load left it); with ``cache_loaded`` (drawn) the driver runs
+the loads and the forward pass at admission instead, as it promises.  Every
+block a tier offers as a hit must hold the KV of its key: a device block
+cached under a hash, a host block in the index, a hash in the remote
+directory.
 """
 
 from __future__ import annotations
@@ -119,13 +121,16 @@ class TieredStateMachine(RuleBasedStateMachine):
         self.tokens: dict[Any, list[int]] = {}
         self.computed: dict[Any, int] = {}
         self.count = 0
+        self.cache_loaded = False
 
     @initialize(num_blocks=st.integers(4, 7), block_size=st.sampled_from([2, 4]),
                 host_blocks=st.integers(0, 6), remote=st.booleans(),
                 remote_blocks=st.none() | st.integers(1, 6),
-                write_policy=st.sampled_from(kf.WRITE_POLICIES), hybrid=st.booleans())
+                write_policy=st.sampled_from(kf.WRITE_POLICIES), hybrid=st.booleans(),
+                cache_loaded=st.booleans())
     def setup(self, num_blocks: int, block_size: int, host_blocks: int, remote: bool,
-              remote_blocks: int | None, write_policy: str, hybrid: bool) -> None:
+              remote_blocks: int | None, write_policy: str, hybrid: bool,
+              cache_loaded: bool) -> None:
         """Draw the device (one full-attention group, or a full-attention group and a window
         of two blocks sharing a pool twice the size) and the tiers."""
         remote_blocks = remote_blocks if remote else None
@@ -138,6 +143,7 @@ class TieredStateMachine(RuleBasedStateMachine):
         self.state = self.initial = TieredState.create(
             device, host_blocks=host_blocks * (1 + hybrid), remote=remote,
             remote_blocks=remote_blocks, write_policy=write_policy)
+        self.cache_loaded = cache_loaded
         self.model = NaiveTiers(host_blocks=host_blocks * (1 + hybrid), remote=remote,
                                 remote_blocks=remote_blocks, write_policy=write_policy,
                                 keys=tuple(groups))
@@ -174,7 +180,8 @@ class TieredStateMachine(RuleBasedStateMachine):
         if hit.sources:
             event(f"a hit from {sorted(set(hit.sources))} ({len(self.state.keys)} groups)")
         entry = (rid, hit.num_tokens, len(tokens) - hit.num_tokens, 0, 0, None, h, hit)
-        res = kf.allocate_tiered(self.state, [entry], priorities={rid: priority})
+        res = kf.allocate_tiered(self.state, [entry], priorities={rid: priority},
+                                 cache_loaded=self.cache_loaded)
         if res.refused:
             assert res.state.device is self.state.device and not res.delta.order
             return
@@ -191,13 +198,14 @@ class TieredStateMachine(RuleBasedStateMachine):
         else:
             self.model.admitted(rid, tables, n, sources, blocks, keys)
             self.model.follow()
-        # A request with loads in flight computes nothing until they settle (run_on does).
-        loading = kf.loads_pending(res.state, rid) > 0
+        # A request with loads in flight computes nothing until they settle (run_on does),
+        # unless the driver promises its loads and forward pass run at once (cache_loaded).
+        loading = kf.loads_pending(res.state, rid) > 0 and not self.cache_loaded
         self._commit(res.state, res.delta,
                      None if loading else (rid, hit.num_tokens, len(tokens), h))
         self.tokens[rid] = tokens
         self.computed[rid] = hit.num_tokens if loading else len(tokens)
-        if finish and not loading:
+        if finish and not kf.loads_pending(self.state, rid):
             self._free(rid)
 
     def _idle(self) -> list[Any]:
